@@ -1,0 +1,1 @@
+"""xfer: move paged KV-cache blocks between LLM prefill and decode instances."""
