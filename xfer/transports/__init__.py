@@ -1,0 +1,45 @@
+"""Transports: an enum, a lazy-import factory and the selection policy.
+
+Importing this package imports no transport module; ``load`` imports one on demand, so a
+missing optional dependency (ucxx, nvshmem4py, a GPU) only disables that transport, and the
+reason is reported by ``select``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+
+__all__ = ["TransportKind", "PREFERENCE", "load"]
+
+
+class TransportKind(str, enum.Enum):
+    LOCAL = "local"  # same process (any device), or host shared memory between local processes
+    IPC = "ipc"  # CUDA IPC / UVA peer mappings between processes on one node
+    NVSHMEM = "nvshmem"  # NVSHMEM symmetric memory, put-with-signal
+    UCX = "ucx"  # UCX through ucxx, across nodes
+
+
+# tried in this order when no transport is pinned: the most direct path first
+PREFERENCE = (TransportKind.LOCAL, TransportKind.IPC, TransportKind.NVSHMEM, TransportKind.UCX)
+
+_MODULES = {
+    TransportKind.LOCAL: ("xfer.transports.local", "LocalTransport"),
+    TransportKind.IPC: ("xfer.transports.ipc", "IpcTransport"),
+    TransportKind.NVSHMEM: ("xfer.transports.nvshmem", "NvshmemTransport"),
+    TransportKind.UCX: ("xfer.transports.ucx", "UcxTransport"),
+}
+
+
+def load(kind: TransportKind):
+    """The transport class of ``kind``, or a string saying why it cannot be used here."""
+    module, cls = _MODULES[TransportKind(kind)]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return f"{kind.value}: not part of this xfer build ({module} is missing)"
+        return f"{kind.value}: needs {exc.name!r}, which is not installed"
+    except ImportError as exc:
+        return f"{kind.value}: import failed: {exc}"
+    return getattr(mod, cls)

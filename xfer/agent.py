@@ -1,0 +1,348 @@
+"""The Agent: one per process (or per engine rank). Register KV memory once, connect to peers
+from their metadata, then move blocks by id lists. Every transfer ends by its deadline."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import metadata as md_codec
+from .config import AgentConfig
+from .control import ControlClient, ControlServer
+from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
+                     NotRegisteredError, PeerNotConnectedError, TransferTimeoutError, TransportUnavailableError)
+from .layout import KVLayout
+from .metadata import AgentMetadata, RegionRecord
+from .transfer import Notification, Op, Transfer, TransferState
+from .transports import PREFERENCE, TransportKind, load
+from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("xfer.agent")
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Agent:
+    """Moves KV blocks between this process and its peers.
+
+    >>> with Agent("prefill-0") as agent:
+    ...     agent.register("kv", tensors, layout)
+    ...     peer = agent.connect(decode_metadata)
+    ...     agent.write(peer, src_blocks=[3, 4], dst_blocks=[0, 1], notify=b"req-7").wait()
+    """
+
+    def __init__(self, name: str, config: AgentConfig | None = None):
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"agent name must be a non-empty str, got {name!r}")
+        self.name = name
+        self.config = config or AgentConfig()
+        self.agent_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._closed = False
+        self._regions: dict[str, LocalRegion] = {}
+        self._exports: dict[str, dict] = {}
+        self._peers: dict[str, PeerHandle] = {}
+        self._clients: dict[str, ControlClient] = {}
+        self._routes: dict[tuple, Selection] = {}
+        self._inflight: set[Transfer] = set()
+        self._notes: collections.deque[Notification] = collections.deque()
+        self._notes_cond = threading.Condition()
+        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(),
+                               config=self.config, log=log)
+        self.transports: dict[TransportKind, object] = {}
+        self.unavailable: dict[TransportKind, str] = {}
+        for kind in PREFERENCE:
+            cls = load(kind)
+            reason = cls if isinstance(cls, str) else cls.probe()
+            if reason is None:
+                self.transports[kind] = cls(ctx)
+            else:
+                self.unavailable[kind] = reason
+        self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
+                                     max_payload=self.config.max_notify_bytes)
+        self._host_id = ctx.host_id
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"Agent({self.name!r}, id={self.agent_id[:8]}, {state}, regions={list(self._regions)}, "
+                f"peers={list(self._peers)}, control={self.address[0]}:{self.address[1]})")
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.address
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosedError(f"agent {self.name!r} is closed")
+
+    # ---- memory ------------------------------------------------------------------------------
+    def register(self, name: str, kv_tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        """Register a KV cache: ``kv_tensors`` are the base tensors ``layout`` describes."""
+        self._check_open()
+        if not isinstance(layout, KVLayout):
+            raise LayoutError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        tensors = layout.check_tensors(kv_tensors)
+        with self._lock:
+            if name in self._regions:
+                raise InvalidArgumentError(f"region {name!r} is already registered; deregister it first")
+            region = LocalRegion(name=name, tensors=tensors, layout=layout)
+            exports = {}
+            for kind, transport in self.transports.items():
+                desc = transport.export_region(region)
+                if desc is not None:
+                    exports[kind.value] = desc
+            self._regions[name], self._exports[name] = region, exports
+
+    def deregister(self, name: str) -> None:
+        self._check_open()
+        with self._lock:
+            region = self._regions.pop(name, None)
+            if region is None:
+                raise NotRegisteredError(f"region {name!r} is not registered; registered: {sorted(self._regions)}")
+            self._exports.pop(name, None)
+            for transport in self.transports.values():
+                transport.release_region(region)
+            self._routes = {k: v for k, v in self._routes.items() if k[1] != name}
+
+    # ---- peers -------------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """Everything a peer needs to connect and reach the registered regions."""
+        self._check_open()
+        with self._lock:
+            regions = {n: RegionRecord(name=n, layout=r.layout, device=str(r.device), exports=self._exports[n])
+                       for n, r in self._regions.items()}
+        return md_codec.encode(AgentMetadata(
+            name=self.name, agent_id=self.agent_id, pid=os.getpid(), hostname=socket.gethostname(),
+            host_id=self._host_id, control=self.address,
+            transports={k.value: t.info() for k, t in self.transports.items()}, regions=regions))
+
+    def connect(self, peer_metadata: bytes) -> str:
+        """Connect to a peer (re-connecting refreshes its metadata); returns its name."""
+        self._check_open()
+        md = md_codec.decode(peer_metadata)
+        if md.agent_id == self.agent_id:
+            raise InvalidArgumentError(f"agent {self.name!r} cannot connect to itself")
+        client = ControlClient(md.control, md.name, self.config.connect_timeout_s)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        reply, _ = client.request({"type": "hello", "from": self.name, "agent_id": self.agent_id}, deadline=deadline)
+        if reply.get("agent_id") != md.agent_id:
+            client.close()
+            raise MetadataError(f"stale metadata for {md.name!r}: {md.control[0]}:{md.control[1]} is served by "
+                                f"agent {reply.get('agent_id')!r}, the metadata names {md.agent_id!r}")
+        with self._lock:
+            self._check_open()
+            old = self._clients.pop(md.name, None)
+            if old is not None:
+                old.close()
+                for transport in self.transports.values():
+                    transport.disconnect(self._peers[md.name].metadata.agent_id)
+            self._clients[md.name] = client
+            self._peers[md.name] = PeerHandle(metadata=md, request=client.request)
+            self._routes = {k: v for k, v in self._routes.items() if k[0] != md.name}
+        return md.name
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            handle = self._peers.pop(peer, None)
+            if handle is None:
+                raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+            self._clients.pop(peer).close()
+            self._routes = {k: v for k, v in self._routes.items() if k[0] != peer}
+        for transport in self.transports.values():
+            transport.disconnect(handle.metadata.agent_id)
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    def route(self, peer: str, op: Op | str = Op.WRITE, *, region: str | None = None,
+              peer_region: str | None = None) -> Selection:
+        """Which transport carries ``op`` between the two regions, and why (the choice is cached)."""
+        self._check_open()
+        local, handle, record = self._resolve(peer, region, peer_region)
+        return self._select(local, handle, record, Op(op))
+
+    def _resolve(self, peer: str, region: str | None, peer_region: str | None):
+        handle = self._peers.get(peer)
+        if handle is None:
+            raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+        if region is None:
+            if len(self._regions) != 1:
+                raise NotRegisteredError(f"agent {self.name!r} has regions {sorted(self._regions)}: name one")
+            region = next(iter(self._regions))
+        local = self._regions.get(region)
+        if local is None:
+            raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
+        regions = handle.metadata.regions
+        if peer_region is None:
+            peer_region = region if region in regions or len(regions) != 1 else next(iter(regions))
+        record = regions.get(peer_region)
+        if record is None:
+            raise NotRegisteredError(f"peer {peer!r} has no region {peer_region!r}; it has {sorted(regions)}")
+        return local, handle, record
+
+    def _select(self, local: LocalRegion, handle: PeerHandle, record: RegionRecord, op: Op) -> Selection:
+        key = (handle.name, local.name, record.name, op)
+        if key in self._routes:
+            return self._routes[key]
+        pinned = self.config.transport
+        rejected = {}
+        for kind in PREFERENCE:
+            if pinned is not None and kind is not pinned:
+                continue
+            transport = self.transports.get(kind)
+            if transport is None:
+                reason = self.unavailable[kind]
+            elif kind.value not in handle.metadata.transports:
+                reason = f"peer {handle.name!r} does not offer {kind.value}"
+            else:
+                reason = transport.check_route(local, handle, record, op)
+            if reason is None:
+                why = "pinned by config" if pinned is not None else (
+                    f"first of {[k.value for k in PREFERENCE]} able to serve this pair")
+                sel = Selection(kind=kind, reason=why, rejected=rejected)
+                log.info("xfer route %s:%s -> %s:%s (%s): %s", self.name, local.name, handle.name, record.name,
+                         op.value, sel)
+                self._routes[key] = sel
+                return sel
+            rejected[kind.value] = reason
+        if pinned is not None:
+            raise TransportUnavailableError(f"pinned transport {pinned.value!r} cannot serve {self.name}:{local.name} "
+                                            f"-> {handle.name}:{record.name}: {rejected[pinned.value]}")
+        raise TransportUnavailableError(f"no transport can serve {self.name}:{local.name} -> {handle.name}:"
+                                        f"{record.name}: " + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def write(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
+              notify: bytes = b"", timeout: float | None = None) -> Transfer:
+        """Copy local blocks ``src_blocks`` onto the peer's blocks ``dst_blocks`` (all layers, K/V).
+
+        The peer receives a :class:`Notification` carrying ``notify`` once every byte landed.
+        """
+        return self._post(Op.WRITE, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout)
+
+    def read(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
+             notify: bytes = b"", timeout: float | None = None) -> Transfer:
+        """Copy the peer's blocks ``src_blocks`` into local blocks ``dst_blocks``; the peer is notified."""
+        return self._post(Op.READ, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout)
+
+    def _post(self, op, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout) -> Transfer:
+        self._check_open()
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+            raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if not isinstance(notify, (bytes, bytearray)):
+            raise InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+        if len(notify) > self.config.max_notify_bytes:
+            raise InvalidArgumentError(f"notify payload of {len(notify)} bytes exceeds max_notify_bytes="
+                                       f"{self.config.max_notify_bytes}")
+        with self._lock:
+            local, handle, record = self._resolve(peer, region, peer_region)
+            src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
+            src_layout.check_compatible(dst_layout, what="peer" if op is Op.WRITE else "local")
+            src_ids = src_layout.check_block_ids(src_blocks, what="source block ids")
+            dst_ids = dst_layout.check_block_ids(dst_blocks, what="destination block ids", unique=True)
+            if src_ids.size != dst_ids.size:
+                raise LengthMismatchError(f"{src_ids.size} source block ids but {dst_ids.size} destination block ids")
+            selection = self._select(local, handle, record, op)
+            transport = self.transports[selection.kind]
+            local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
+            transfer = Transfer(peer=peer, op=op, num_blocks=int(src_ids.size),
+                                nbytes=int(src_ids.size) * local.layout.bytes_per_block,
+                                path=selection.kind.value, timeout=float(timeout))
+            self._inflight = {t for t in self._inflight if not t.poll().terminal}
+            self._inflight.add(transfer)
+        transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
+                           local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify)))
+        return transfer
+
+    # ---- passive side ------------------------------------------------------------------------
+    def notifications(self, peer: str | None = None) -> list[Notification]:
+        """Drain the notifications received so far (from ``peer`` only, if given)."""
+        with self._notes_cond:
+            taken = [n for n in self._notes if peer is None or n.peer == peer]
+            for n in taken:
+                self._notes.remove(n)
+        return taken
+
+    def wait_notification(self, timeout: float, *, peer: str | None = None) -> Notification:
+        """The next notification (from ``peer``), waiting at most ``timeout`` seconds."""
+        self._check_open()
+        end = time.monotonic() + timeout
+        with self._notes_cond:
+            while True:
+                for n in self._notes:
+                    if peer is None or n.peer == peer:
+                        self._notes.remove(n)
+                        return n
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._notes_cond.wait(left)
+        self._check_open()
+        raise TransferTimeoutError(f"agent {self.name!r}: no notification{' from ' + repr(peer) if peer else ''} "
+                                   f"within {timeout:.3f} s")
+
+    def _handle(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        kind = header.get("type")
+        if kind == "hello":
+            return {"ok": True, "agent_id": self.agent_id, "name": self.name}, b""
+        if kind == "notify":
+            region = self._regions.get(header.get("region"))
+            if region is None:
+                raise NotRegisteredError(f"agent {self.name!r} has no region {header.get('region')!r}")
+            op = Op(header.get("op"))
+            ids = region.layout.check_block_ids(np.asarray(header.get("blocks"), dtype=np.int64),
+                                                what="notified block ids", unique=op is Op.WRITE)
+            note = Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
+                                op=op, region=region.name, blocks=ids, payload=payload)
+            with self._notes_cond:
+                self._notes.append(note)
+                self._notes_cond.notify_all()
+            return {"ok": True}, b""
+        return {"ok": False, "error": "InvalidArgumentError", "message": f"unknown control message {kind!r}"}, b""
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel in-flight transfers, close transports and the control port. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            inflight, self._inflight = self._inflight, set()
+        for t in inflight:
+            t._finish(TransferState.CANCELLED, AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
+        for transport in self.transports.values():
+            transport.close()
+        for client in self._clients.values():
+            client.close()
+        self._server.close()
+        with self._notes_cond:
+            self._notes_cond.notify_all()
+        for region in self._regions.values():
+            for transport in self.transports.values():
+                transport.release_region(region)

@@ -1,0 +1,53 @@
+"""Agent configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+from .transports import TransportKind
+
+__all__ = ["AgentConfig"]
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Settings of one :class:`xfer.Agent`.
+
+    default_timeout_s: deadline of a transfer that names none (seconds).
+    connect_timeout_s: how long ``connect`` may take to reach a peer's control port.
+    listen_host / listen_port: the control endpoint peers reach (port 0 picks a free one).
+    transport: pin one transport; ``None`` lets the selection policy choose per route.
+        A pinned transport that cannot serve a pair raises, it never falls back.
+    chunk_bytes: the local transport copies in chunks of about this size and checks the
+        deadline and cancellation between them.
+    max_notify_bytes: largest notification payload accepted.
+    """
+
+    default_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    transport: TransportKind | None = None
+    chunk_bytes: int = 64 << 20
+    max_notify_bytes: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        for name in ("default_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a finite number > 0 seconds, got {value!r}")
+        if not isinstance(self.listen_port, int) or not 0 <= self.listen_port < 65536:
+            raise InvalidArgumentError(f"listen_port must be in 0..65535, got {self.listen_port!r}")
+        if self.transport is not None and not isinstance(self.transport, TransportKind):
+            try:
+                object.__setattr__(self, "transport", TransportKind(self.transport))
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"transport must be one of {[k.value for k in TransportKind]} or None, got {self.transport!r}"
+                ) from None
+        for name in ("chunk_bytes", "max_notify_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int (bytes), got {value!r}")

@@ -1,0 +1,168 @@
+"""Transfer handles and notifications.
+
+A :class:`Transfer` always ends: DONE, or FAILED / CANCELLED / TIMED_OUT with a typed error.
+Its deadline is enforced by whoever looks at it (``poll`` and ``wait``) and by the transport
+between chunks, so a transfer nobody drives still reads TIMED_OUT once its deadline has passed.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import TransferCancelledError, TransferTimeoutError, XferError
+
+__all__ = ["TransferState", "Transfer", "Notification", "Op"]
+
+_ids = itertools.count(1)
+
+
+class TransferState(enum.IntEnum):
+    """Ordered so that ``min`` over ranks gives the state all agree on (FAILED lowest)."""
+
+    FAILED = 0
+    TIMED_OUT = 1
+    CANCELLED = 2
+    QUEUED = 3
+    RUNNING = 4
+    DONE = 5
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TransferState.QUEUED, TransferState.RUNNING)
+
+
+class Op(enum.Enum):
+    WRITE = "write"  # local blocks -> peer blocks (push)
+    READ = "read"  # peer blocks -> local blocks (pull)
+
+
+class Transfer:
+    """Handle of one posted block-list transfer.
+
+    ``nbytes`` is the payload (all layers and K/V of every block). ``path`` names the transport
+    that carries it and why it was chosen.
+    """
+
+    __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "deadline", "created",
+                 "finished", "_state", "_error", "_cancel_requested", "_cond", "_on_cancel",
+                 "_keepalive")
+
+    def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
+        self.id = f"{next(_ids):x}-{time.monotonic_ns() & 0xFFFFFFFF:08x}"
+        self.peer, self.op, self.num_blocks, self.nbytes, self.path = peer, op, num_blocks, nbytes, path
+        self.created = time.monotonic()
+        self.deadline = self.created + timeout
+        self.finished: float | None = None
+        self._state = TransferState.QUEUED
+        self._error: XferError | None = None
+        self._cancel_requested = False
+        self._cond = threading.Condition()
+        self._on_cancel = None
+        self._keepalive = None
+
+    def __repr__(self) -> str:
+        return (f"Transfer(id={self.id}, {self.op.value} {self.num_blocks} blocks {self.nbytes} B "
+                f"peer={self.peer!r}, state={self._state.name}, path={self.path})")
+
+    # ---- caller side -------------------------------------------------------------------------
+    def poll(self) -> TransferState:
+        """Current state; a transfer past its deadline is cancelled and reads TIMED_OUT."""
+        if not self._state.terminal and time.monotonic() >= self.deadline:
+            self._expire()
+        return self._state
+
+    def done(self) -> bool:
+        """True once the transfer ended, successfully or not (see ``poll``/``error``)."""
+        return self.poll().terminal
+
+    @property
+    def error(self) -> XferError | None:
+        return self._error
+
+    @property
+    def elapsed(self) -> float:
+        return (self.finished or time.monotonic()) - self.created
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until DONE; raise the transfer's typed error otherwise.
+
+        ``timeout`` bounds this wait only; the transfer's own deadline always applies, and when
+        it passes the transfer is cancelled and :class:`TransferTimeoutError` is raised.
+        """
+        limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        with self._cond:
+            while not self._state.terminal:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+        state = self.poll()
+        if state is TransferState.DONE:
+            return
+        if not state.terminal:  # the caller's timeout, shorter than the deadline
+            raise TransferTimeoutError(f"transfer {self.id} still {state.name} after waiting {timeout:.3f} s "
+                                       f"(its deadline is {self.deadline - time.monotonic():.3f} s away)")
+        raise self._error
+
+    def cancel(self) -> bool:
+        """Ask the transport to stop; True if the transfer had not ended yet."""
+        return self._finish(TransferState.CANCELLED,
+                            TransferCancelledError(f"transfer {self.id} was cancelled by the caller"))
+
+    # ---- transport side ----------------------------------------------------------------------
+    @property
+    def cancel_requested(self) -> bool:
+        """Transports check this between chunks; it also turns true at the deadline."""
+        if not self._state.terminal and time.monotonic() >= self.deadline:
+            self._expire()
+        return self._state.terminal
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def _expire(self) -> None:
+        self._finish(TransferState.TIMED_OUT, TransferTimeoutError(
+            f"transfer {self.id} ({self.op.value} {self.num_blocks} blocks to {self.peer!r}) "
+            f"reached its deadline of {self.deadline - self.created:.3f} s and was cancelled"))
+
+    def _start(self, on_cancel=None, keepalive=None) -> None:
+        with self._cond:
+            if self._state is TransferState.QUEUED:
+                self._state = TransferState.RUNNING
+            self._on_cancel, self._keepalive = on_cancel, keepalive
+
+    def _finish(self, state: TransferState, error: XferError | None = None) -> bool:
+        """Move to a terminal state once; later calls lose. Returns True if this call won."""
+        with self._cond:
+            if self._state.terminal:
+                return False
+            self._state, self._error = state, error
+            self.finished = time.monotonic()
+            on_cancel, self._on_cancel, self._keepalive = self._on_cancel, None, None
+            self._cond.notify_all()
+        if on_cancel is not None and state is not TransferState.DONE:
+            on_cancel(self)
+        return True
+
+
+@dataclass(frozen=True)
+class Notification:
+    """Delivered to the passive side once a peer's transfer into (or out of) its blocks ended.
+
+    ``blocks`` are this agent's block ids the transfer wrote (op WRITE) or read (op READ);
+    ``payload`` is the initiator's opaque notification bytes.
+    """
+
+    peer: str
+    transfer_id: str
+    op: Op
+    region: str
+    blocks: np.ndarray = field(repr=False)
+    payload: bytes = b""
+    received: float = field(default_factory=time.monotonic)

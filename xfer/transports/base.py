@@ -1,0 +1,133 @@
+"""The one abstract base every transport implements, and the records the agent hands it."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+import torch
+
+from ..config import AgentConfig
+from ..layout import KVLayout
+from ..metadata import AgentMetadata, RegionRecord
+from ..transfer import Op, Transfer
+from . import TransportKind
+
+__all__ = ["Transport", "TransportContext", "LocalRegion", "PeerHandle", "Job", "Selection"]
+
+
+@dataclass
+class LocalRegion:
+    """A region this agent registered: its base tensors and layout."""
+
+    name: str
+    tensors: list[torch.Tensor]
+    layout: KVLayout
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+
+@dataclass
+class PeerHandle:
+    """A connected peer: its metadata and the control channel's request function."""
+
+    metadata: AgentMetadata
+    request: Callable  # request(header: dict, payload: bytes, *, deadline: float) -> (dict, bytes)
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+@dataclass
+class Job:
+    """One validated transfer for a transport to carry out.
+
+    ``local_ids`` / ``peer_ids``: int64 block ids, equal length; for a WRITE the local blocks
+    are the source, for a READ the destination.
+    """
+
+    transfer: Transfer
+    op: Op
+    local: LocalRegion
+    peer: PeerHandle
+    peer_region: RegionRecord
+    local_ids: np.ndarray
+    peer_ids: np.ndarray
+    notify: bytes = b""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which transport carries a route and why; ``rejected`` says why each other one did not."""
+
+    kind: TransportKind
+    reason: str
+    rejected: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} ({self.reason})"
+
+
+@dataclass
+class TransportContext:
+    """What the agent gives a transport: identity, config, and its own metadata fields."""
+
+    agent_name: str
+    agent_id: str
+    host_id: str
+    config: AgentConfig
+    log: logging.Logger
+
+
+class Transport(ABC):
+    """Moves blocks between a local region and a peer's region.
+
+    Life cycle: ``probe`` (class-level: usable in this process?) → ``__init__`` →
+    ``export_region`` for each registered region (what peers need to reach it) →
+    ``check_route`` per (local region, peer region, op) → ``post`` jobs → ``disconnect`` /
+    ``close``. ``post`` must return quickly and end every job's transfer by its deadline with
+    ``transfer._finish(state, error)``; blocks are reported complete only once all their bytes
+    have landed.
+    """
+
+    kind: ClassVar[TransportKind]
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """None when this transport can run in this process, else the reason it cannot."""
+        return None
+
+    def info(self) -> dict:
+        """Transport-level facts published in the agent's metadata."""
+        return {}
+
+    def export_region(self, region: LocalRegion) -> dict | None:
+        """A JSON-able descriptor peers use to reach ``region``; None if it cannot be exposed."""
+        return None
+
+    def release_region(self, region: LocalRegion) -> None:
+        """Forget what ``export_region`` set up."""
+
+    @abstractmethod
+    def check_route(self, local: LocalRegion, peer: PeerHandle, peer_region: RegionRecord, op: Op) -> str | None:
+        """None if this transport can serve the pair, else the reason it cannot."""
+
+    @abstractmethod
+    def post(self, job: Job) -> None:
+        """Start moving ``job``'s blocks; never blocks on the data."""
+
+    def disconnect(self, peer: str) -> None:
+        """Drop what was cached for ``peer`` (mappings, endpoints); in-flight jobs fail."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop; every job still in flight ends with an error. Idempotent."""
