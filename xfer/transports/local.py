@@ -18,7 +18,7 @@ import time
 import torch
 
 from .. import shm
-from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ..errors import NotRegisteredError, PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
 from ..metadata import RegionRecord
 from ..transfer import Op, TransferState
 from . import TransportKind
@@ -62,8 +62,6 @@ class LocalTransport(Transport):
             return f"peer {md.name!r} is on host {md.hostname!r}, another host"
         peer_device = torch.device(peer_region.device)
         if md.pid == os.getpid():
-            if (md.agent_id, peer_region.name) not in _IN_PROCESS:
-                return f"peer region {peer_region.name!r} is no longer registered in this process"
             if peer_device.type != local.device.type:
                 return f"local region is on {local.device}, peer region on {peer_device}; no direct kernel path"
             return None
@@ -107,7 +105,7 @@ class LocalTransport(Transport):
         if md.pid == os.getpid():
             region = _IN_PROCESS.get((md.agent_id, rec.name))
             if region is None:
-                raise PeerDisconnectedError(f"peer region {rec.name!r} of {md.name!r} was deregistered")
+                raise NotRegisteredError(f"peer {md.name!r} has no region {rec.name!r} (deregistered)")
             return region.tensors
         key = (md.agent_id, rec.name)
         if key not in self._mapped:

@@ -1,0 +1,143 @@
+"""Shared test helpers: random KV data, poison, byte-exact block checks, a peer process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import torch
+
+from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache, shared_empty
+
+POISON = 0xA5
+MLA_DIM = {LayoutKind.MLA: 576, LayoutKind.MLA_FP8: 656}
+
+
+def small_dims(kind, *, layers=3, blocks=8, bs=4, heads=2, hd=8):
+    kind = LayoutKind(kind)
+    return dict(num_layers=layers, num_blocks=blocks, block_size=bs, num_heads=heads,
+                head_dim=MLA_DIM.get(kind, hd))
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def fill_random(tensors, seed: int) -> None:
+    """Random bytes (every bit pattern, NaNs included for float dtypes)."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        b = byte_view(t)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+
+
+def poison(tensors) -> None:
+    for t in tensors:
+        byte_view(t).fill_(POISON)
+
+
+def block_bytes(layout, tensors, ids) -> list[np.ndarray]:
+    """Per slot, the bytes of blocks ``ids`` in logical (n, h, c) order."""
+    out = []
+    for v in layout.views(tensors):
+        sel = v[torch.as_tensor(np.asarray(ids, dtype=np.int64))].contiguous()
+        out.append(sel.view(-1).view(torch.uint8).numpy().copy())
+    return out
+
+
+def assert_blocks_equal(src_layout, src, src_ids, dst_layout, dst, dst_ids) -> None:
+    for s, (a, b) in enumerate(zip(block_bytes(src_layout, src, src_ids), block_bytes(dst_layout, dst, dst_ids))):
+        assert np.array_equal(a, b), f"slot {s}: destination blocks differ from the source"
+
+
+def assert_untouched(layout, tensors, written_ids) -> None:
+    """Every block not in ``written_ids`` still holds the poison, in every slot."""
+    rest = sorted(set(range(layout.num_blocks)) - {int(i) for i in written_ids})
+    if rest:
+        for s, b in enumerate(block_bytes(layout, tensors, rest)):
+            assert (b == POISON).all(), f"slot {s}: a block outside the transfer was modified"
+
+
+# ---- a peer agent in another process -------------------------------------------------------------
+def _peer_main(conn, name, kind, dims, seed, config):
+    tensors, layout = make_kv_cache(kind, empty=shared_empty, **dims)
+    if seed is None:
+        poison(tensors)
+    else:
+        fill_random(tensors, seed)
+    agent = Agent(name, config)
+    agent.register("kv", tensors, layout)
+    conn.send(agent.metadata())
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            agent.close()
+            conn.send("bye")
+            return
+        if cmd == "bytes":
+            conn.send([byte_view(t).numpy().copy() for t in tensors])
+        elif cmd == "notification":
+            try:
+                n = agent.wait_notification(arg)
+                conn.send(("ok", n.peer, n.op.value, n.blocks.tolist(), n.payload))
+            except Exception as exc:  # sent back to the test as data
+                conn.send(("error", type(exc).__name__, str(exc)))
+        elif cmd == "connect":
+            conn.send(agent.connect(arg))
+        elif cmd == "write":
+            peer, src, dst, timeout = arg
+            try:
+                agent.write(peer, src, dst, timeout=timeout).wait()
+                conn.send(("ok",))
+            except Exception as exc:
+                conn.send(("error", type(exc).__name__, str(exc)))
+
+
+class PeerProcess:
+    """An agent named ``name`` in a child process with a shared-memory KV region ``kv``."""
+
+    def __init__(self, name, kind, dims, *, seed=None, config=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, kind, dims, seed, config), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            self.kill()
+            raise RuntimeError("peer process did not start within 60 s")
+        self.metadata = self.conn.recv()
+        self.tensors_layout = make_kv_cache(kind, device="meta", **dims)[1]
+
+    def call(self, cmd, arg=None, timeout=30):
+        self.conn.send((cmd, arg))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer process did not answer {cmd!r} within {timeout} s")
+        return self.conn.recv()
+
+    def tensors(self):
+        """A copy of the peer's base tensors (as the layout's dtype)."""
+        layout = self.tensors_layout
+        return [torch.from_numpy(b).view(layout.dtype) for b in self.call("bytes")]
+
+    def stop_signal(self):
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def kill(self):
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.conn.send(("stop", None))
+                self.conn.poll(10)
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+        self.kill()
+
+
+def local_config(**kw) -> AgentConfig:
+    return AgentConfig(**kw)

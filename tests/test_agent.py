@@ -1,0 +1,276 @@
+"""The Agent API in one process: every layout, write and read, bad input before any byte moves,
+deadlines, cancellation, transport pinning and close."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers import assert_blocks_equal, assert_untouched, fill_random, poison, small_dims
+from xfer import Agent, AgentConfig, LayoutKind, Op, TransferState, make_kv_cache
+from xfer.errors import (AgentClosedError, BlockIdError, InvalidArgumentError, LayoutMismatchError,
+                         LengthMismatchError, NotRegisteredError, PeerNotConnectedError, TransferCancelledError,
+                         TransferTimeoutError, TransportUnavailableError)
+
+
+class Pair:
+    """Agents ``a`` (random data) and ``b`` (poisoned), connected both ways."""
+
+    def __init__(self, kind_a, kind_b=None, *, config=None, **dims):
+        kind_b = kind_b or kind_a
+        d = small_dims(kind_a, **dims)
+        self.ta, self.la = make_kv_cache(kind_a, **d)
+        self.tb, self.lb = make_kv_cache(kind_b, **d)
+        fill_random(self.ta, seed=1)
+        poison(self.tb)
+        self.a, self.b = Agent("a", config), Agent("b", config)
+        self.a.register("kv", self.ta, self.la)
+        self.b.register("kv", self.tb, self.lb)
+        self.peer = self.a.connect(self.b.metadata())
+        self.b.connect(self.a.metadata())
+
+    def close(self):
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("kind", list(LayoutKind))
+def test_write_every_layout(kind):
+    p = Pair(kind)
+    try:
+        src, dst = [5, 0, 3, 3], [1, 7, 2, 6]  # unsorted, a repeated source block
+        t = p.a.write(p.peer, src, dst, notify=b"req-1")
+        t.wait()
+        assert t.poll() is TransferState.DONE and t.done() and t.error is None
+        assert t.nbytes == 4 * p.la.bytes_per_block and t.path == "local"
+        assert_blocks_equal(p.la, p.ta, src, p.lb, p.tb, dst)
+        assert_untouched(p.lb, p.tb, dst)
+        note = p.b.wait_notification(1.0)
+        assert (note.peer, note.op, note.region, note.payload) == ("a", Op.WRITE, "kv", b"req-1")
+        assert note.blocks.tolist() == dst
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH_ATTN_HND, LayoutKind.SGLANG, LayoutKind.MLA_FP8])
+def test_read_pulls_peer_blocks(kind):
+    p = Pair(kind)
+    try:
+        # b pulls a's blocks 2, 4 into its blocks 0, 1; a is told its blocks were read
+        p.b.read("a", [2, 4], [0, 1], notify=b"pulled").wait()
+        assert_blocks_equal(p.la, p.ta, [2, 4], p.lb, p.tb, [0, 1])
+        assert_untouched(p.lb, p.tb, [0, 1])
+        note = p.a.wait_notification(1.0)
+        assert (note.op, note.blocks.tolist(), note.payload) == (Op.READ, [2, 4], b"pulled")
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("kinds", [(LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND),
+                                   (LayoutKind.PACKED_KV, LayoutKind.DISTSERVE),
+                                   (LayoutKind.VLLM_CROSS_LAYER, LayoutKind.SGLANG)])
+def test_write_converts_between_physical_orders(kinds):
+    p = Pair(*kinds)
+    try:
+        p.a.write(p.peer, [1, 2, 3], [6, 0, 4]).wait()
+        assert_blocks_equal(p.la, p.ta, [1, 2, 3], p.lb, p.tb, [6, 0, 4])
+        assert_untouched(p.lb, p.tb, [6, 0, 4])
+    finally:
+        p.close()
+
+
+def test_zero_blocks_is_a_valid_transfer(pair):
+    pair.a.write(pair.peer, [], [], notify=b"empty").wait()
+    assert pair.b.wait_notification(1.0).blocks.size == 0
+    assert_untouched(pair.lb, pair.tb, [])
+
+
+@pytest.mark.parametrize("src,dst,exc,pattern", [
+    ([0, 1], [0, 8], BlockIdError, "destination block ids contain id 8"),
+    ([0, 1], [0, -2], BlockIdError, "negative id -2"),
+    ([0, 1], [3, 3], BlockIdError, "repeat id 3"),
+    ([0, 99], [0, 1], BlockIdError, "source block ids contain id 99"),
+    ([0, 1, 2], [0, 1], LengthMismatchError, "3 source block ids but 2 destination"),
+    ([0.5], [1], BlockIdError, "integers"),
+])
+def test_bad_block_ids_raise_before_any_byte_moves(pair, src, dst, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        pair.a.write(pair.peer, src, dst)
+    with pytest.raises(exc):
+        pair.b.read("a", src, dst)
+    assert_untouched(pair.lb, pair.tb, [])
+    assert pair.b.notifications() == [] and pair.a.notifications() == []
+
+
+def test_incompatible_layouts_name_the_field():
+    p = Pair(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    try:
+        t, l16 = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, **small_dims("vllm_flash_attn_nhd", bs=8))
+        poison(t)
+        p.b.register("kv8", t, l16)
+        p.a.connect(p.b.metadata())
+        with pytest.raises(LayoutMismatchError, match=r"block_size: local vllm_flash_attn_nhd has 4, peer .* has 8"):
+            p.a.write(p.peer, [0], [0], peer_region="kv8")
+        assert_untouched(l16, t, [])
+    finally:
+        p.close()
+
+
+def test_unregistered_regions_and_unknown_peers(pair):
+    with pytest.raises(NotRegisteredError, match="region 'nope' is not registered"):
+        pair.a.write(pair.peer, [0], [0], region="nope")
+    with pytest.raises(NotRegisteredError, match="peer 'b' has no region 'nope'"):
+        pair.a.write(pair.peer, [0], [0], peer_region="nope")
+    with pytest.raises(PeerNotConnectedError, match="no peer named 'zed'"):
+        pair.a.write("zed", [0], [0])
+    with pytest.raises(NotRegisteredError):
+        pair.a.deregister("nope")
+    assert_untouched(pair.lb, pair.tb, [])
+
+
+def test_peer_deregistered_region_is_refused_and_nothing_reported(pair):
+    pair.b.deregister("kv")
+    t = pair.a.write(pair.peer, [0], [0])  # a still holds b's old metadata
+    with pytest.raises(NotRegisteredError, match="no region 'kv'"):
+        t.wait()
+    assert t.poll() is TransferState.FAILED
+    assert pair.b.notifications() == []
+
+
+def test_bad_arguments(pair):
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        pair.a.write(pair.peer, [0], [0], timeout=0)
+    with pytest.raises(InvalidArgumentError, match="notify payload of 70000 bytes"):
+        pair.a.write(pair.peer, [0], [0], notify=b"x" * 70000)
+    with pytest.raises(InvalidArgumentError, match="already registered"):
+        pair.a.register("kv", pair.ta, pair.la)
+    with pytest.raises(InvalidArgumentError, match="timeout_s"):
+        AgentConfig(default_timeout_s=-1)
+    with pytest.raises(InvalidArgumentError, match="transport must be one of"):
+        AgentConfig(transport="carrier-pigeon")
+    assert_untouched(pair.lb, pair.tb, [])
+
+
+def _stall_notifications(agent, seconds):
+    """Make ``agent`` sit on notify messages, as a frozen peer would."""
+    original = agent._handle
+
+    def slow(header, payload):
+        if header.get("type") == "notify":
+            time.sleep(seconds)
+        return original(header, payload)
+
+    agent._server._handler = slow
+
+
+def test_deadline_expires_with_typed_error(pair):
+    _stall_notifications(pair.b, 3.0)
+    start = time.monotonic()
+    t = pair.a.write(pair.peer, [0, 1], [2, 3], timeout=0.5)
+    with pytest.raises(TransferTimeoutError, match="deadline"):
+        t.wait()
+    assert time.monotonic() - start < 0.5 + 0.5
+    assert t.poll() is TransferState.TIMED_OUT
+
+
+def test_unwatched_transfer_still_ends_at_its_deadline(pair):
+    _stall_notifications(pair.b, 2.0)
+    t = pair.a.write(pair.peer, [0], [0], timeout=0.3)
+    time.sleep(0.4)
+    assert t.poll() is TransferState.TIMED_OUT and isinstance(t.error, TransferTimeoutError)
+
+
+def test_wait_timeout_shorter_than_deadline(pair):
+    _stall_notifications(pair.b, 1.0)
+    t = pair.a.write(pair.peer, [0], [0], timeout=10)
+    with pytest.raises(TransferTimeoutError, match="still RUNNING"):
+        t.wait(timeout=0.1)
+    t.wait()  # the transfer itself goes on and completes
+    assert t.poll() is TransferState.DONE
+
+
+def test_cancel(pair):
+    _stall_notifications(pair.b, 1.0)
+    t = pair.a.write(pair.peer, [0], [0], timeout=10)
+    time.sleep(0.1)
+    assert t.cancel() is True and t.cancel() is False
+    with pytest.raises(TransferCancelledError):
+        t.wait()
+    assert t.poll() is TransferState.CANCELLED
+
+
+def test_route_is_reported_and_pinning_never_falls_back(pair):
+    sel = pair.a.route(pair.peer)
+    assert sel.kind.value == "local" and "able to serve" in sel.reason
+    ta, la = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, **small_dims("vllm_flash_attn_nhd"))
+    with Agent("pinned", AgentConfig(transport="ucx")) as c:
+        c.register("kv", ta, la)
+        peer = c.connect(pair.b.metadata())
+        with pytest.raises(TransportUnavailableError, match="pinned transport 'ucx' cannot serve"):
+            c.write(peer, [0], [0])
+    assert_untouched(pair.lb, pair.tb, [])
+
+
+def test_closed_agent_refuses_everything(pair):
+    md = pair.b.metadata()
+    pair.a.close()
+    pair.a.close()  # idempotent
+    for call in (lambda: pair.a.write("b", [0], [0]), lambda: pair.a.metadata(), lambda: pair.a.connect(md),
+                 lambda: pair.a.register("x", pair.ta, pair.la), lambda: pair.a.wait_notification(0.1)):
+        with pytest.raises(AgentClosedError, match="agent 'a' is closed"):
+            call()
+
+
+def test_close_ends_inflight_transfers(pair):
+    _stall_notifications(pair.b, 1.0)
+    t = pair.a.write(pair.peer, [0], [0], timeout=10)
+    pair.a.close()
+    assert t.poll().terminal and t.poll() is not TransferState.DONE
+    with pytest.raises(AgentClosedError):
+        t.wait()
+
+
+def test_concurrent_transfers_from_threads(pair):
+    blocks = list(range(8))
+    errors = []
+
+    def worker(i):
+        try:
+            pair.a.write(pair.peer, [blocks[i]], [blocks[7 - i]], notify=str(i).encode()).wait()
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert_blocks_equal(pair.la, pair.ta, blocks, pair.lb, pair.tb, blocks[::-1])
+    notes = pair.b.notifications()
+    assert sorted(n.payload for n in notes) == [str(i).encode() for i in range(8)]
+
+
+def test_connect_to_stale_metadata_is_refused(pair):
+    md = pair.b.metadata()
+    pair.b.close()
+    with Agent("c") as c:
+        with pytest.raises(Exception) as info:
+            c.connect(md)
+        assert "PeerDisconnected" in type(info.value).__name__ or "Metadata" in type(info.value).__name__
+
+
+def test_notification_wait_times_out(pair):
+    start = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="no notification"):
+        pair.b.wait_notification(0.2)
+    assert 0.15 < time.monotonic() - start < 1.0
+    assert np.asarray(pair.b.notifications()).size == 0
