@@ -66,7 +66,7 @@ class Agent:
         self._notes: collections.deque[Notification] = collections.deque()
         self._notes_cond = threading.Condition()
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(),
-                               config=self.config, log=log)
+                               config=self.config, log=log, region=self._regions.get, deliver=self._deliver)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:
@@ -164,6 +164,20 @@ class Agent:
             self._peers[md.name] = PeerHandle(metadata=md, request=client.request)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != md.name}
         return md.name
+
+    def publish(self, store) -> str:
+        """Put this agent's metadata in ``store`` (an :class:`xfer.store.MetadataStore`) under its name.
+
+        Call again after ``register`` so peers see the new regions. Returns the key.
+        """
+        key = f"agents/{self.name}"
+        store.set(key, self.metadata())
+        return key
+
+    def connect_by_name(self, store, name: str, timeout: float | None = None) -> str:
+        """Wait (up to ``timeout``, default ``connect_timeout_s``) for ``name`` in ``store``, then connect."""
+        self._check_open()
+        return self.connect(store.get(f"agents/{name}", self.config.connect_timeout_s if timeout is None else timeout))
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -318,13 +332,15 @@ class Agent:
             op = Op(header.get("op"))
             ids = region.layout.check_block_ids(np.asarray(header.get("blocks"), dtype=np.int64),
                                                 what="notified block ids", unique=op is Op.WRITE)
-            note = Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
-                                op=op, region=region.name, blocks=ids, payload=payload)
-            with self._notes_cond:
-                self._notes.append(note)
-                self._notes_cond.notify_all()
+            self._deliver(Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
+                                       op=op, region=region.name, blocks=ids, payload=payload))
             return {"ok": True}, b""
         return {"ok": False, "error": "InvalidArgumentError", "message": f"unknown control message {kind!r}"}, b""
+
+    def _deliver(self, note: Notification) -> None:
+        with self._notes_cond:
+            self._notes.append(note)
+            self._notes_cond.notify_all()
 
     # ---- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:

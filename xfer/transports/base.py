@@ -76,13 +76,20 @@ class Selection:
 
 @dataclass
 class TransportContext:
-    """What the agent gives a transport: identity, config, and its own metadata fields."""
+    """What the agent gives a transport.
+
+    ``region(name)`` returns a registered local region or None; two-sided transports use it to
+    land incoming blocks. ``deliver(notification)`` hands a completed incoming transfer to the
+    agent (checked block ids, payload); call it only once every byte has landed.
+    """
 
     agent_name: str
     agent_id: str
     host_id: str
     config: AgentConfig
     log: logging.Logger
+    region: Callable = lambda name: None  # (str) -> LocalRegion | None
+    deliver: Callable = lambda notification: None  # (Notification) -> None
 
 
 class Transport(ABC):

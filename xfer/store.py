@@ -1,0 +1,366 @@
+"""Metadata store: agents publish opaque bytes under their name; peers wait until they appear.
+
+``TCPStoreBackend`` (torch's TCPStore, the embedded default: one agent hosts it) and ``EtcdStore``
+(an external etcd v3 server, through ``etcd3gw``), picked by ``open_store(url)``. Backend failures
+reach the caller as ``StoreError`` naming key and endpoint; a wait that runs out, ``StoreTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import errno
+import logging
+import math
+import socket
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from .errors import InvalidArgumentError, StoreError, StoreTimeoutError, XferError
+
+__all__ = ["MetadataStore", "TCPStoreBackend", "EtcdStore", "StoreKind", "open_store"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "xfer/"
+_URL_FORMS = "tcp://HOST:PORT (connect), tcp://HOST:0 (host on a free port), etcd://HOST:PORT"
+
+
+class StoreKind(enum.Enum):
+    """Backends, by URL scheme."""
+    TCP = "tcp"
+    ETCD = "etcd"
+
+
+def _describe(e: BaseException) -> str:
+    """One line naming a backend exception (etcd3gw keeps the server's words in ``detail_text``)."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    detail = getattr(e, "detail_text", None)
+    return f"{type(e).__name__}: {text} {detail or ''}".strip()
+
+
+def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds {'>' if positive else '>='} 0, "
+                                   f"got {value!r}")
+    return float(value)
+
+
+def _parse_counter(key: str, value: bytes, endpoint: str) -> int:
+    try:
+        return int(value.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise StoreError(f"add({key!r}) on store {endpoint}: value {value[:32]!r} is not an integer counter") from None
+
+
+class MetadataStore(ABC):
+    """Bytes under string keys, shared by the agents of one deployment.
+
+    Public methods validate, put the key under ``prefix`` and turn any backend failure into
+    ``StoreError``; a backend implements the underscored primitives on full (prefixed) keys.
+    """
+
+    __slots__ = ("endpoint", "prefix", "_closed")
+
+    def __init__(self, endpoint: str, prefix: str = DEFAULT_PREFIX) -> None:
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError(f"store prefix must be a str, got {prefix!r}")
+        self.endpoint = endpoint  # a URL a peer can pass to open_store, e.g. "tcp://10.0.0.1:29500"
+        self.prefix = prefix
+        self._closed = False
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` (bytes-like, up to a few hundred KB) under ``key``, replacing any old value."""
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"value for key {key!r} must be bytes, got {type(value).__name__}")
+        self._call("set", key, self._set, bytes(value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` seconds for it to be set."""
+        timeout = _check_seconds("timeout", timeout)
+        value = self._call("get", key, self._wait_get, timeout)
+        if value is None:
+            raise StoreTimeoutError(f"key {self.prefix + key!r} did not appear in store {self.endpoint} "
+                                    f"within {timeout:g} s")
+        return value
+
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key``, or ``None`` if it is not set; never waits."""
+        return self._call("try_get", key, self._try_get)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed."""
+        return bool(self._call("delete", key, self._delete))
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer counter ``key`` (absent counts as 0); the new value."""
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise InvalidArgumentError(f"add amount must be an int, got {amount!r}")
+        return int(self._call("add", key, self._add, amount))
+
+    def close(self) -> None:
+        """Release the connection (a host also stops its server). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> MetadataStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"{type(self).__name__}(endpoint={self.endpoint!r}, prefix={self.prefix!r}, {state})"
+
+    def _call(self, op: str, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"store key must be a non-empty str, got {key!r}")
+        full = self.prefix + key
+        if self._closed:
+            raise StoreError(f"{op}({full!r}) on closed store {self.endpoint}")
+        try:
+            return fn(full, *args)
+        except XferError:
+            raise
+        except Exception as e:  # any backend failure; the raw exception stays as __cause__
+            raise StoreError(f"{op}({full!r}) on store {self.endpoint} failed: {_describe(e)}") from e
+
+    # The backend's primitives, on full (prefixed) keys. _wait_get returns None when time runs out.
+    @abstractmethod
+    def _set(self, key: str, value: bytes) -> None: ...
+    @abstractmethod
+    def _try_get(self, key: str) -> bytes | None: ...
+    @abstractmethod
+    def _wait_get(self, key: str, timeout: float) -> bytes | None: ...
+    @abstractmethod
+    def _delete(self, key: str) -> bool: ...
+    @abstractmethod
+    def _add(self, key: str, amount: int) -> int: ...
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+class TCPStoreBackend(MetadataStore):
+    """``torch.distributed.TCPStore``: one agent hosts the server (``is_host=True``), peers connect.
+
+    The server lives as long as the host's store: closing the host cuts every peer off.
+    ``timeout`` bounds the connect (retried until then) and any single request.
+    """
+
+    __slots__ = ("host", "port", "is_host", "_store")
+    # try_get reads with compare_set(key, _MISSING, _MISSING): one round trip that returns the value,
+    # or _MISSING (writing nothing) when the key is absent. check()+get() would race with delete and
+    # then block for the whole store timeout. So this exact value cannot be stored.
+    _MISSING = b"\x00xfer-store:absent-key-sentinel\x00"
+
+    def __init__(self, host: str, port: int, *, is_host: bool, timeout: float = 30.0,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        from torch.distributed import TCPStore  # torch is heavy: imported when a store is made
+
+        timeout = _check_seconds("timeout", timeout, positive=True)
+        self.host, self.is_host = host, is_host
+        kw: dict[str, Any] = dict(wait_for_workers=False, use_libuv=True)
+        try:
+            if is_host:
+                # Bind the listening socket ourselves: TCPStore alone listens on every interface,
+                # whatever host it is given. It takes ownership of the fd.
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                sock = socket.create_server((host, port), family=family, backlog=512)
+                port = sock.getsockname()[1]
+                kw["master_listen_fd"] = sock.detach()
+            self.port = port
+            endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+            super().__init__(endpoint, prefix)
+            self._store = TCPStore(host, port, None, is_host, timedelta(seconds=timeout), **kw)
+        except OSError as e:  # bind failed (EADDRINUSE: someone hosts it already)
+            raise StoreError(f"cannot host a TCPStore on {host}:{port}: {_describe(e)}") from e
+        except Exception as e:  # DistNetworkError: nobody answered within the timeout
+            role = "host" if is_host else "connect to"
+            raise StoreError(f"cannot {role} TCPStore at {host}:{port} within {timeout:g} s: {_describe(e)}") from e
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", {'host' if self.is_host else 'peer'})"
+
+    def _set(self, key: str, value: bytes) -> None:
+        if value == self._MISSING:
+            raise InvalidArgumentError(f"value for key {key!r} is the store's reserved absent-key sentinel")
+        self._store.set(key, value)
+
+    def _try_get(self, key: str) -> bytes | None:
+        value = self._store.compare_set(key, self._MISSING, self._MISSING)
+        return None if value == self._MISSING else value
+
+    def _wait_get(self, key: str, timeout: float) -> bytes | None:
+        from torch.distributed import DistStoreError
+
+        deadline = time.monotonic() + timeout
+        waiter = None
+        while (value := self._try_get(key)) is None:  # loops again if deleted between wait and read
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            # A TCPStore client holds its one connection through a whole wait, which would stall
+            # every other thread using this store: wait on a clone (its own connection).
+            waiter = waiter or self._store.clone()
+            try:
+                waiter.wait([key], timedelta(seconds=remaining))
+            except DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+                return None
+        return value
+
+    def _delete(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def _add(self, key: str, amount: int) -> int:
+        # The server drops the connection of a client that adds to a non-integer value: check first.
+        current = self._try_get(key)
+        if current is not None:
+            _parse_counter(key, current, self.endpoint)
+        return self._store.add(key, amount)
+
+    def _close(self) -> None:
+        self._store = None  # TCPStore has no close(); dropping it closes the socket (and the server)
+
+
+class EtcdStore(MetadataStore):
+    """An etcd v3 server (>= 3.4) through its HTTP gateway, with ``etcd3gw``.
+
+    ``get`` waits with an etcd watch that starts right after the revision it last read, so a put
+    in between is never missed. ``timeout`` bounds the connect (retried until then) and each request.
+    """
+
+    __slots__ = ("_client", "_exc")
+    _WATCH_SLICE_S = 5.0  # re-read at least this often, in case a watch stream dies silently
+
+    def __init__(self, host: str, port: int, *, timeout: float = 30.0, prefix: str = DEFAULT_PREFIX) -> None:
+        timeout = _check_seconds("timeout", timeout, positive=True)
+        super().__init__(f"etcd://[{host}]:{port}" if ":" in host else f"etcd://{host}:{port}", prefix)
+        try:
+            import etcd3gw
+            import requests  # etcd3gw's HTTP client
+        except ImportError as e:
+            raise StoreError(f"store {self.endpoint} needs the etcd3gw package: pip install xfer[etcd]") from e
+        self._exc = etcd3gw.exceptions
+        session = requests.Session()
+        session.trust_env = False  # etcd is a cluster-internal service: never route it through an env proxy
+        self._client = etcd3gw.Etcd3Client(host=host, port=port, timeout=timeout, session=session)
+        deadline, delay = time.monotonic() + timeout, 0.05
+        while True:  # the server may still be starting: retry with a bounded back-off
+            try:
+                self._client.status()
+                return
+            except Exception as e:
+                if time.monotonic() + delay > deadline or not isinstance(e, self._exc.ConnectionFailedError):
+                    session.close()
+                    raise StoreError(f"cannot reach etcd at {self.endpoint} within {timeout:g} s: "
+                                     f"{_describe(e)}") from e
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+
+    def _range(self, key: bytes) -> tuple[bytes | None, int, int]:
+        """(value or None, store revision of this read, the key's mod_revision or 0).
+
+        etcd3gw's get() hides the header revision, which the watch needs: this calls the range API."""
+        r = self._client.post(self._client.get_url("/kv/range"), json={"key": _b64(key)})
+        revision = int(r["header"]["revision"])
+        if not r.get("kvs"):
+            return None, revision, 0
+        kv = r["kvs"][0]
+        return base64.b64decode(kv.get("value", "")), revision, int(kv["mod_revision"])
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._client.put(key.encode(), value)
+
+    def _try_get(self, key: str) -> bytes | None:
+        return self._range(key.encode())[0]
+
+    def _wait_get(self, key: str, timeout: float) -> bytes | None:
+        k, deadline = key.encode(), time.monotonic() + timeout
+        while True:
+            value, revision, _ = self._range(k)
+            if value is not None:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                event = self._client.watch_once(k, timeout=min(remaining, self._WATCH_SLICE_S),
+                                                start_revision=revision + 1, filters=["NODELETE"])
+            except self._exc.WatchTimedOut:
+                continue
+            return event["kv"].get("value", b"")  # the gateway omits an empty value
+
+    def _delete(self, key: str) -> bool:
+        return self._client.delete(key.encode())
+
+    def _add(self, key: str, amount: int) -> int:
+        k = key.encode()
+        while True:  # compare-and-swap: retry when another writer got in between read and write
+            value, _, mod = self._range(k)
+            new = amount if value is None else _parse_counter(key, value, self.endpoint) + amount
+            unchanged = ({"target": "CREATE", "create_revision": 0} if value is None  # still absent
+                         else {"target": "MOD", "mod_revision": mod})
+            txn = {"compare": [{"key": _b64(k), "result": "EQUAL", **unchanged}],
+                   "success": [{"request_put": {"key": _b64(k), "value": _b64(str(new).encode())}}]}
+            if self._client.transaction(txn).get("succeeded"):
+                return new
+
+    def _close(self) -> None:
+        self._client.session.close()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _parse_url(url: str) -> tuple[StoreKind, str, int]:
+    bad = InvalidArgumentError(f"bad store URL {url!r}; expected one of: {_URL_FORMS}")
+    if not isinstance(url, str):
+        raise bad
+    parts = urlsplit(url)
+    try:
+        kind, port = StoreKind(parts.scheme), parts.port
+    except ValueError:  # unknown scheme, or a port that is not a number in 0..65535
+        raise bad from None
+    extra = parts.path not in ("", "/") or parts.query or parts.fragment or parts.username
+    if not parts.hostname or port is None or extra or (kind is StoreKind.ETCD and port == 0):
+        raise bad
+    return kind, parts.hostname, port
+
+
+def open_store(url: str, *, host_if_missing: bool = False, timeout: float = 30.0,
+               prefix: str = DEFAULT_PREFIX) -> MetadataStore:
+    """Open the store at ``url``: ``tcp://HOST:PORT`` connects, ``tcp://HOST:0`` hosts on a free port
+    (read it from ``.port`` / ``.endpoint``), ``etcd://HOST:PORT`` uses an etcd server.
+
+    ``host_if_missing=True`` makes a ``tcp://`` URL host the store unless the port is already bound
+    (then it connects); it is ignored for etcd, whose server runs outside xfer. ``timeout`` (s)
+    bounds connecting and each request.
+    """
+    kind, host, port = _parse_url(url)
+    if kind is StoreKind.ETCD:
+        store: MetadataStore = EtcdStore(host, port, timeout=timeout, prefix=prefix)
+    elif port == 0 or host_if_missing:
+        try:
+            store = TCPStoreBackend(host, port, is_host=True, timeout=timeout, prefix=prefix)
+        except StoreError as e:
+            in_use = isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EADDRINUSE
+            if port == 0 or not in_use:
+                raise
+            store = TCPStoreBackend(host, port, is_host=False, timeout=timeout, prefix=prefix)
+    else:
+        store = TCPStoreBackend(host, port, is_host=False, timeout=timeout, prefix=prefix)
+    log.info("metadata store %r opened from %s", store, url)
+    return store

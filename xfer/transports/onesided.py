@@ -1,0 +1,130 @@
+"""Shared machinery of the one-sided transports (``local``, ``ipc``): the initiator maps the
+peer's base tensors once, runs ``copy_blocks`` between them in chunks on a worker thread
+(checking the deadline, cancellation and the peer's liveness between chunks), then notifies the
+peer over the control channel and completes when the peer acknowledges. The peer is never told
+about blocks that were not fully written."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from abc import abstractmethod
+
+import torch
+
+from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ..shm import pid_alive
+from ..transfer import Op, TransferState
+from .base import Job, Transport
+from .notify import notify_peer
+
+__all__ = ["OneSidedTransport"]
+
+
+class OneSidedTransport(Transport):
+    """Subclasses say how to reach a peer region's base tensors (``map_peer``)."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._jobs: queue.Queue = queue.Queue()
+        self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
+                                        daemon=True)
+        self._worker.start()
+
+    @abstractmethod
+    def map_peer(self, job: Job) -> list[torch.Tensor]:
+        """Base tensors of the peer region, usable by a kernel in this process."""
+
+    def stream(self, job: Job) -> torch.cuda.Stream | None:
+        """The stream copies run on (None: the current one / CPU)."""
+        return None
+
+    def post(self, job: Job) -> None:
+        if self._closed:
+            job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
+            return
+        self._jobs.put(job)
+
+    def disconnect(self, peer_agent_id: str) -> None:
+        for key in [k for k in self._mapped if k[0] == peer_agent_id]:
+            del self._mapped[key]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=10)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport closed"))
+        self._mapped.clear()
+
+    def _peer_tensors(self, job: Job) -> list[torch.Tensor]:
+        key = (job.peer.metadata.agent_id, job.peer_region.name)
+        if key not in self._mapped:
+            self._check_alive(job)
+            self._mapped[key] = self.map_peer(job)
+        return self._mapped[key]
+
+    def _check_alive(self, job: Job) -> None:
+        md = job.peer.metadata
+        if md.pid != os.getpid() and md.host_id == self.ctx.host_id and not pid_alive(md.pid):
+            raise PeerDisconnectedError(f"peer {md.name!r} (pid {md.pid}) is gone; transfer {job.transfer.id} "
+                                        f"reports no block complete")
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.transfer.poll().terminal:
+                continue
+            job.transfer._start()
+            try:
+                self._move(job)
+                notify_peer(job, self.ctx.agent_name)
+                job.transfer._finish(TransferState.DONE)
+            except TransferTimeoutError as exc:
+                job.transfer._finish(TransferState.TIMED_OUT, exc)
+            except XferError as exc:
+                job.transfer._finish(TransferState.FAILED, exc)
+            except Exception as exc:  # never leave a transfer hanging on a bug
+                job.transfer._finish(TransferState.FAILED,
+                                     TransportError(f"{self.kind.value} transport failed: {exc!r}"))
+
+    def _move(self, job: Job) -> None:
+        from xfer.kernels import copy_blocks
+
+        peer_tensors = self._peer_tensors(job)
+        local, rec, t = job.local, job.peer_region, job.transfer
+        if job.op is Op.WRITE:
+            src, src_t, src_ids, dst, dst_t, dst_ids = local.layout, local.tensors, job.local_ids, rec.layout, \
+                peer_tensors, job.peer_ids
+        else:
+            src, src_t, src_ids, dst, dst_t, dst_ids = rec.layout, peer_tensors, job.peer_ids, local.layout, \
+                local.tensors, job.local_ids
+        per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
+        stream = self.stream(job)
+        for start in range(0, len(src_ids), per_chunk):
+            if t.cancel_requested:
+                raise t.error
+            self._check_alive(job)
+            end = start + per_chunk
+            event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream)
+            if event is not None:
+                while not event.query():
+                    if t.cancel_requested:
+                        event.synchronize()  # the kernel may still write; let it land before reporting
+                        raise t.error
+                    time.sleep(20e-6)
+        if t.cancel_requested:
+            raise t.error
