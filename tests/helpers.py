@@ -30,7 +30,7 @@ def fill_random(tensors, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for t in tensors:
         b = byte_view(t)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).to(b.device))
 
 
 def poison(tensors) -> None:
@@ -43,7 +43,7 @@ def block_bytes(layout, tensors, ids) -> list[np.ndarray]:
     out = []
     for v in layout.views(tensors):
         sel = v[torch.as_tensor(np.asarray(ids, dtype=np.int64))].contiguous()
-        out.append(sel.view(-1).view(torch.uint8).numpy().copy())
+        out.append(sel.view(-1).view(torch.uint8).cpu().numpy().copy())
     return out
 
 
@@ -61,8 +61,9 @@ def assert_untouched(layout, tensors, written_ids) -> None:
 
 
 # ---- a peer agent in another process -------------------------------------------------------------
-def _peer_main(conn, name, kind, dims, seed, config):
-    tensors, layout = make_kv_cache(kind, empty=shared_empty, **dims)
+def _peer_main(conn, name, kind, dims, seed, config, device="cpu"):
+    empty = shared_empty if device == "cpu" else torch.empty
+    tensors, layout = make_kv_cache(kind, empty=empty, device=device, **dims)
     if seed is None:
         poison(tensors)
     else:
@@ -77,7 +78,10 @@ def _peer_main(conn, name, kind, dims, seed, config):
             conn.send("bye")
             return
         if cmd == "bytes":
-            conn.send([byte_view(t).numpy().copy() for t in tensors])
+            conn.send([byte_view(t).cpu().numpy().copy() for t in tensors])
+        elif cmd == "digests":
+            from xfer.bench.target import block_digests, untouched
+            conn.send((block_digests(layout, tensors, arg), untouched(layout, tensors, arg)))
         elif cmd == "notification":
             try:
                 n = agent.wait_notification(arg)
@@ -98,10 +102,10 @@ def _peer_main(conn, name, kind, dims, seed, config):
 class PeerProcess:
     """An agent named ``name`` in a child process with a shared-memory KV region ``kv``."""
 
-    def __init__(self, name, kind, dims, *, seed=None, config=None):
+    def __init__(self, name, kind, dims, *, seed=None, config=None, device="cpu"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, name, kind, dims, seed, config), daemon=True)
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, kind, dims, seed, config, device), daemon=True)
         self.proc.start()
         if not self.conn.poll(60):
             self.kill()

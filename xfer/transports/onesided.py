@@ -31,9 +31,13 @@ class OneSidedTransport(Transport):
         self._jobs: queue.Queue = queue.Queue()
         self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
         self._closed = False
+        self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
+        self._completer = threading.Thread(target=self._complete, daemon=True,
+                                           name=f"xfer-{self.kind.value}-done-{ctx.agent_name}")
         self._worker.start()
+        self._completer.start()
 
     @abstractmethod
     def map_peer(self, job: Job) -> list[torch.Tensor]:
@@ -59,6 +63,7 @@ class OneSidedTransport(Transport):
         self._closed = True
         self._jobs.put(None)
         self._worker.join(timeout=10)
+        self._completer.join(timeout=10)
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -82,26 +87,53 @@ class OneSidedTransport(Transport):
                                         f"reports no block complete")
 
     def _run(self) -> None:
+        """Launcher: queue each job's copies, then hand it to the completer and take the next job,
+        so the copy of one transfer overlaps the completion round trip of the previous one."""
         while True:
             job = self._jobs.get()
             if job is None:
+                self._done.put(None)
                 return
             if job.transfer.poll().terminal:
                 continue
             job.transfer._start()
             try:
-                self._move(job)
-                notify_peer(job, self.ctx.agent_name)
-                job.transfer._finish(TransferState.DONE)
-            except TransferTimeoutError as exc:
-                job.transfer._finish(TransferState.TIMED_OUT, exc)
-            except XferError as exc:
-                job.transfer._finish(TransferState.FAILED, exc)
-            except Exception as exc:  # never leave a transfer hanging on a bug
-                job.transfer._finish(TransferState.FAILED,
-                                     TransportError(f"{self.kind.value} transport failed: {exc!r}"))
+                self._done.put((job, self._launch(job)))
+            except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
+                self._fail(job, exc)
 
-    def _move(self, job: Job) -> None:
+    def _complete(self) -> None:
+        """Completer: wait for each job's last copy, then notify the peer and finish the transfer."""
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            job, event = item
+            t = job.transfer
+            try:
+                if event is not None:
+                    while not event.query():
+                        if t.cancel_requested:
+                            event.synchronize()  # the kernel may still write; let it land before reporting
+                            raise t.error
+                        time.sleep(20e-6)
+                if t.cancel_requested:
+                    raise t.error
+                notify_peer(job, self.ctx.agent_name)
+                t._finish(TransferState.DONE)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if isinstance(exc, TransferTimeoutError):
+            job.transfer._finish(TransferState.TIMED_OUT, exc)
+        elif isinstance(exc, XferError):
+            job.transfer._finish(TransferState.FAILED, exc)
+        else:  # never leave a transfer hanging on a bug
+            job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport failed: {exc!r}"))
+
+    def _launch(self, job: Job):
+        """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
         from xfer.kernels import copy_blocks
 
         peer_tensors = self._peer_tensors(job)
@@ -114,17 +146,13 @@ class OneSidedTransport(Transport):
                 local.tensors, job.local_ids
         per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
         stream = self.stream(job)
+        event = None
         for start in range(0, len(src_ids), per_chunk):
             if t.cancel_requested:
+                if event is not None:
+                    event.synchronize()
                 raise t.error
             self._check_alive(job)
             end = start + per_chunk
             event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream)
-            if event is not None:
-                while not event.query():
-                    if t.cancel_requested:
-                        event.synchronize()  # the kernel may still write; let it land before reporting
-                        raise t.error
-                    time.sleep(20e-6)
-        if t.cancel_requested:
-            raise t.error
+        return event

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
+# runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|all]...   (default: all)
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# multi-GPU hosts here share NVLink: never use multicast (see the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+  # no usable setuptools there: lay the one import tree out by hand (xfer.kernels <- kernels/, ...)
+  site=/tmp/xfer-site; rm -rf "$site"; mkdir -p "$site"; cp -r xfer "$site/xfer"
+  for sub in kernels engine bench; do ln -s "$PWD/$sub" "$site/xfer/$sub"; done
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  echo "editable install failed (see install.log); using $site" | tee -a "$OUT/install.log"
+fi
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} | tee "$OUT/env.txt"
+
+what=${*:-all}
+rc=0
+for step in $what; do
+  case $step in
+    tests|all)
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    kernels|all)
+      python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    ipc|all)
+      python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,136 @@
+"""CUDA IPC transport. GPU tests: two processes on one GPU (and across GPUs where there are
+several): every layout, push and pull, concurrency, the seed case at full size, a killed peer.
+CPU tests: the handle bookkeeping that needs no GPU."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import PeerProcess, assert_blocks_equal, assert_untouched, fill_random, small_dims
+from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache
+from xfer.errors import PeerDisconnectedError, TransferTimeoutError, TransportError
+from xfer.transports.ipc import decode_share, encode_share
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def device_pairs():
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return [(0, 0)] + ([(0, 1)] if n > 1 else [])
+
+
+# ---- CPU: bookkeeping ---------------------------------------------------------------------
+def test_share_descriptor_round_trip():
+    share = (3, b"\x01" * 64, 1 << 30, 4096, b"rc-file", 16, b"\x02" * 64, True)
+    d = encode_share(share, tensor_offset=512, uuid="GPU-1234")
+    assert decode_share(d) == share and d["tensor_offset"] == 512 and d["uuid"] == "GPU-1234"
+    with pytest.raises(TransportError, match="malformed CUDA IPC descriptor"):
+        decode_share({"device": 0})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on machines without a GPU")
+def test_without_cuda_ipc_is_unavailable_and_says_why():
+    with Agent("x") as a:
+        assert "no CUDA device" in a.unavailable[next(k for k in a.unavailable if k.value == "ipc")]
+        tensors, layout = make_kv_cache(LayoutKind.MLA, **small_dims("mla"))
+        a.register("kv", tensors, layout)
+        with Agent("y", AgentConfig(transport="ipc")) as b:
+            b.register("kv", *make_kv_cache(LayoutKind.MLA, **small_dims("mla")))
+            peer = b.connect(a.metadata())
+            with pytest.raises(Exception, match="pinned transport 'ipc' cannot serve .* no CUDA device"):
+                b.write(peer, [0], [0])
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("devs", device_pairs())
+@pytest.mark.parametrize("kind", list(LayoutKind))
+def test_push_and_pull_every_layout(kind, devs):
+    mine, theirs = devs
+    dims = small_dims(kind, layers=4, blocks=16, bs=16, heads=4, hd=64)
+    peer = PeerProcess("decode", kind, dims, device=f"cuda:{theirs}", seed=None)
+    try:
+        tensors, layout = make_kv_cache(kind, device=f"cuda:{mine}", **dims)
+        fill_random(tensors, seed=2)
+        with Agent("prefill", AgentConfig(transport="ipc")) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            assert agent.route(name).kind.value == "ipc"
+            src, dst = [9, 1, 4, 4], [0, 15, 7, 3]
+            agent.write(name, src, dst, notify=b"push").wait()
+            assert peer.call("notification", 10)[:4] == ("ok", "prefill", "write", dst)
+            remote = peer.tensors()
+            assert_blocks_equal(layout, tensors, src, peer.tensors_layout, remote, dst)
+            assert_untouched(peer.tensors_layout, remote, dst)
+            # pull back what we pushed, into blocks we poison first
+            for t in tensors:
+                t.view(-1).view(torch.uint8)[:] = 0xA5
+            agent.read(name, [0, 15], [2, 5]).wait()
+            assert_blocks_equal(peer.tensors_layout, remote, [0, 15], layout, [t.cpu() for t in tensors], [2, 5])
+            assert_untouched(layout, [t.cpu() for t in tensors], [2, 5])
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+def test_seed_case_full_size_and_concurrency():
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # 32 KiB slices
+    peer = PeerProcess("decode", kind, dims, device="cuda:0")
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        fill_random(tensors, seed=3)
+        from xfer.bench.target import block_digests
+        with Agent("prefill") as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            src, dst = list(range(0, 256, 2)), list(range(128, 256))
+            agent.write(name, src, dst).wait()
+            digests, clean = peer.call("digests", dst, timeout=120)
+            assert clean and digests == block_digests(layout, tensors, src)
+            # eight concurrent single-block transfers from threads
+            errors = []
+
+            def one(i):
+                try:
+                    agent.write(name, [i], [i]).wait()
+                except Exception as exc:  # asserted below
+                    errors.append(exc)
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            assert not errors
+            digests, _ = peer.call("digests", list(range(8)), timeout=120)
+            assert digests == block_digests(layout, tensors, list(range(8)))
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+def test_killed_peer_ends_with_typed_error_by_deadline():
+    kind = LayoutKind.VLLM_FLASH_ATTN_HND
+    dims = dict(num_layers=32, num_blocks=64, block_size=16, num_heads=8, head_dim=128)
+    peer = PeerProcess("decode", kind, dims, device="cuda:0")
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        fill_random(tensors, seed=4)
+        with Agent("prefill", AgentConfig(chunk_bytes=1)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            peer.stop_signal()
+            t = agent.write(name, list(range(64)), list(range(64)), timeout=10)
+            time.sleep(0.2)
+            peer.kill()
+            start = time.monotonic()
+            with pytest.raises((PeerDisconnectedError, TransferTimeoutError)):
+                t.wait()
+            assert time.monotonic() - start < 10
+            assert t.poll() is not TransferState.DONE
+    finally:
+        peer.close()
