@@ -73,8 +73,11 @@ class Agent:
             cls = load(kind)
             reason = cls if isinstance(cls, str) else cls.probe()
             if reason is None:
-                self.transports[kind] = cls(ctx)
-            else:
+                try:
+                    self.transports[kind] = cls(ctx)
+                except TransportUnavailableError as exc:  # e.g. nvshmem without a group configured
+                    reason = f"{kind.value}: {exc}"
+            if reason is not None:
                 self.unavailable[kind] = reason
         self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
                                      max_payload=self.config.max_notify_bytes)
@@ -335,6 +338,10 @@ class Agent:
             self._deliver(Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
                                        op=op, region=region.name, blocks=ids, payload=payload))
             return {"ok": True}, b""
+        prefix = kind.split(".", 1)[0] if isinstance(kind, str) and "." in kind else None
+        for tkind, transport in self.transports.items():
+            if tkind.value == prefix:
+                return transport.handle_control(header, payload)
         return {"ok": False, "error": "InvalidArgumentError", "message": f"unknown control message {kind!r}"}, b""
 
     def _deliver(self, note: Notification) -> None:

@@ -8,7 +8,34 @@ from dataclasses import dataclass
 from .errors import InvalidArgumentError
 from .transports import TransportKind
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "NvshmemGroup"]
+
+
+@dataclass(frozen=True)
+class NvshmemGroup:
+    """The agents that form one NVSHMEM job: ``size`` processes, this one is ``rank``.
+
+    store: metadata-store URL (``tcp://HOST:PORT`` or ``etcd://HOST:PORT``) where rank 0
+        publishes the NVSHMEM unique id under ``name``.
+    device: CUDA device index of this process's PE (None: the current device).
+    staging_bytes: symmetric staging ring per peer (allocated collectively at init).
+    """
+
+    store: str
+    name: str
+    rank: int
+    size: int
+    device: int | None = None
+    staging_bytes: int = 256 << 20
+    init_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise InvalidArgumentError(f"NvshmemGroup.size must be an int >= 1, got {self.size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise InvalidArgumentError(f"NvshmemGroup.rank must be in 0..{self.size - 1}, got {self.rank!r}")
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes < (1 << 20):
+            raise InvalidArgumentError(f"NvshmemGroup.staging_bytes must be >= 1 MiB, got {self.staging_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +50,8 @@ class AgentConfig:
     chunk_bytes: the local transport copies in chunks of about this size and checks the
         deadline and cancellation between them.
     max_notify_bytes: largest notification payload accepted.
+    nvshmem: join this NVSHMEM group at construction (collective: blocks until all ranks join);
+        None leaves the NVSHMEM transport off.
     """
 
     default_timeout_s: float = 30.0
@@ -32,6 +61,7 @@ class AgentConfig:
     transport: TransportKind | None = None
     chunk_bytes: int = 64 << 20
     max_notify_bytes: int = 1 << 16
+    nvshmem: NvshmemGroup | None = None
 
     def __post_init__(self) -> None:
         for name in ("default_timeout_s", "connect_timeout_s"):
@@ -47,6 +77,8 @@ class AgentConfig:
                 raise InvalidArgumentError(
                     f"transport must be one of {[k.value for k in TransportKind]} or None, got {self.transport!r}"
                 ) from None
+        if self.nvshmem is not None and not isinstance(self.nvshmem, NvshmemGroup):
+            raise InvalidArgumentError(f"nvshmem must be an NvshmemGroup or None, got {type(self.nvshmem).__name__}")
         for name in ("chunk_bytes", "max_notify_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -132,6 +132,18 @@ class Transport(ABC):
     def post(self, job: Job) -> None:
         """Start moving ``job``'s blocks; never blocks on the data."""
 
+    def handle_control(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """Answer a control message addressed to this transport.
+
+        The agent routes every control message whose ``type`` starts with ``"<kind>."`` (e.g.
+        ``"nvshmem.begin"``) here, from its control-server thread: answer quickly. Raise an
+        :class:`~xfer.errors.XferError` to refuse; the initiator gets it back as that type
+        (see ``notify.raise_remote``). Peers send with ``PeerHandle.request``.
+        """
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"{self.kind.value} transport takes no control message {header.get('type')!r}")
+
     def disconnect(self, peer: str) -> None:
         """Drop what was cached for ``peer`` (mappings, endpoints); in-flight jobs fail."""
 
