@@ -312,6 +312,11 @@ class KVLayout:
             tensor_numel=(self.num_slots * num_blocks * blk,),
         )
 
+    def joint_runs(self, other: "KVLayout") -> tuple[int, list[tuple[int, int, int]]]:
+        """Elements per run contiguous in both this layout and ``other`` (same fingerprint), and
+        the remaining inner dims as (size, stride here, stride there), outermost first."""
+        return _joint_inner(self, other)
+
     def runs(self, block_ids) -> Runs:
         """Merged byte runs covering ``block_ids`` in every slot, in address order."""
         ids = self.check_block_ids(block_ids)
