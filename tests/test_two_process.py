@@ -78,13 +78,17 @@ def test_peer_writes_back_over_its_own_connection(prefill, decode):
     assert note.peer == "decode" and note.blocks.tolist() == [10, 11, 12, 13]
 
 
-def test_private_memory_cannot_be_reached_from_another_process(prefill, decode):
+def test_private_memory_cannot_be_reached_one_sided(prefill):
     agent, _, _ = prefill  # its region is plain (private) host memory
-    agent.connect(decode.metadata)
-    decode.call("connect", agent.metadata())
-    status, err, msg = decode.call("write", ("prefill", [0], [0], 5))
-    assert (status, err) == ("error", "TransportUnavailableError")
-    assert "not in shared memory" in msg
+    pinned = PeerProcess("decode-local", KIND, SEED, config=AgentConfig(transport="local"))
+    try:
+        agent.connect(pinned.metadata)
+        pinned.call("connect", agent.metadata())
+        status, err, msg = pinned.call("write", ("prefill", [0], [0], 5))
+        assert (status, err) == ("error", "TransportUnavailableError")
+        assert "pinned transport 'local'" in msg and "not in shared memory" in msg
+    finally:
+        pinned.close()
 
 
 def test_frozen_peer_times_out_by_the_deadline(prefill, decode):

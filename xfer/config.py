@@ -28,8 +28,21 @@ class NvshmemGroup:
     device: int | None = None
     staging_bytes: int = 256 << 20
     init_timeout_s: float = 120.0
+    close_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/ \t\n"):
+            raise InvalidArgumentError(f"NvshmemGroup.name must be a non-empty str without '/' or spaces, "
+                                       f"got {self.name!r}")
+        if not isinstance(self.store, str) or not self.store.startswith(("tcp://", "etcd://")):
+            raise InvalidArgumentError(f"NvshmemGroup.store must be a tcp://HOST:PORT or etcd://HOST:PORT URL, "
+                                       f"got {self.store!r}")
+        if self.device is not None and (not isinstance(self.device, int) or self.device < 0):
+            raise InvalidArgumentError(f"NvshmemGroup.device must be None or a CUDA index >= 0, got {self.device!r}")
+        for field in ("init_timeout_s", "close_timeout_s"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"NvshmemGroup.{field} must be a finite number > 0, got {value!r}")
         if not isinstance(self.size, int) or self.size < 1:
             raise InvalidArgumentError(f"NvshmemGroup.size must be an int >= 1, got {self.size!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:

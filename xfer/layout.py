@@ -142,7 +142,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def block_numel(self) -> int:
@@ -287,9 +287,9 @@ class KVLayout:
             if hi >= self.num_blocks:
                 raise BlockIdError(f"{what} contain id {hi}; layout {self.name} has {self.num_blocks} blocks")
             if unique:
-                uniq, counts = np.unique(arr, return_counts=True)
-                if uniq.size != arr.size:
-                    raise BlockIdError(f"{what} repeat id {int(uniq[counts > 1][0])}; each must appear once")
+                counts = np.bincount(arr, minlength=0)
+                if counts.size and counts.max() > 1:
+                    raise BlockIdError(f"{what} repeat id {int(np.argmax(counts > 1))}; each must appear once")
         return arr
 
     def staging(self, num_blocks: int) -> "KVLayout":

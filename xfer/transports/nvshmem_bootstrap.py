@@ -1,0 +1,115 @@
+"""NVSHMEM group bootstrap and teardown agreement through the agents' metadata store.
+
+Keys (under the store's prefix):
+
+    nvshmem/<group>/uid                       rank 0's record: session id, group size, staging
+                                              bytes and the 128-byte NVSHMEM unique id (removed by
+                                              rank 0 once the group formed)
+    nvshmem/<group>/<session>/joined          how many PEs reached ``nvshmem.core.init``
+    nvshmem/<group>/<session>/close/...       the bounded teardown agreement (``agree_to_finalize``)
+
+Group names must be unique per run (include a job id): a record left by a crashed rank 0 of an
+earlier run with the same name would be read as the current one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+from ..errors import StoreError, StoreTimeoutError, TransportUnavailableError
+
+__all__ = ["publish_uid", "fetch_uid", "uid_key", "mark_joined", "agree_to_finalize"]
+
+
+def uid_key(group) -> str:
+    return f"nvshmem/{group.name}/uid"
+
+
+def publish_uid(store, group, uid: bytes) -> str:
+    """Rank 0: publish a new session and ``uid``; returns the session id."""
+    session = uuid.uuid4().hex[:16]
+    record = {"session": session, "size": group.size, "staging_bytes": group.staging_bytes,
+              "uid": base64.b64encode(uid).decode()}
+    store.set(uid_key(group), json.dumps(record).encode())
+    return session
+
+
+def fetch_uid(store, group, timeout: float) -> tuple[str, bytes]:
+    """Ranks > 0: wait up to ``timeout`` s for rank 0's record; returns (session, uid).
+
+    Raises :class:`TransportUnavailableError` naming what differs when rank 0 was configured
+    with another group size or staging size (symmetric allocations must match on every PE).
+    """
+    try:
+        blob = store.get(uid_key(group), timeout)
+    except StoreTimeoutError:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 did not publish the unique id in "
+                                        f"store {store.endpoint} within {timeout:g} s") from None
+    try:
+        record = json.loads(blob)
+        session, size, staging = record["session"], record["size"], record["staging_bytes"]
+        uid = base64.b64decode(record["uid"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: malformed unique-id record in store "
+                                        f"{store.endpoint}: {exc!r}") from None
+    if size != group.size:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 has size {size}, rank {group.rank} "
+                                        f"was configured with size {group.size}")
+    if staging != group.staging_bytes:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 has staging_bytes {staging}, rank "
+                                        f"{group.rank} has {group.staging_bytes}; they must match")
+    return str(session), uid
+
+
+def mark_joined(store, group, session: str) -> int:
+    """Count this PE in (for the message when init times out); returns the count so far."""
+    return store.add(f"nvshmem/{group.name}/{session}/joined", 1)
+
+
+def joined(store, group, session: str) -> int:
+    return store.add(f"nvshmem/{group.name}/{session}/joined", 0)
+
+
+def agree_to_finalize(store, group, session: str, *, vote: bool, timeout: float,
+                      poll: float = 0.01) -> tuple[bool, str]:
+    """Bounded teardown barrier: True when every PE may free symmetric memory and finalize.
+
+    ``nvshmem_free`` and ``nvshmem_finalize`` are collectives that block (holding the GIL) until
+    every PE joins, so a PE that calls them while a peer is gone hangs its whole process. Every PE
+    that can tear down votes by counting itself in; the first PE to see all ``size`` votes, or to
+    reach ``timeout``, takes the single ticket and writes the verdict every PE then follows:
+    ``go`` only if all voted. A PE that cannot tear down (``vote=False``) settles ``abort``
+    at once when it gets the ticket. Returns (go, why).
+    """
+    prefix = f"nvshmem/{group.name}/{session}/close/"
+    try:
+        if vote:
+            store.add(prefix + "arrived", 1)
+        end = time.monotonic() + timeout
+        while True:
+            verdict = store.try_get(prefix + "verdict")
+            if verdict is not None:
+                return verdict == b"go", f"verdict {verdict.decode()!r} from the PE that decided"
+            arrived = store.add(prefix + "arrived", 0)
+            late = time.monotonic() >= end
+            if not vote or arrived >= group.size or late:
+                break
+            time.sleep(poll)
+        if store.add(prefix + "ticket", 1) == 1:  # this PE decides
+            go = vote and arrived >= group.size
+            store.set(prefix + "verdict", b"go" if go else b"abort")
+            why = (f"all {group.size} PEs arrived" if go else
+                   "this PE could not tear down cleanly" if not vote else
+                   f"only {arrived} of {group.size} PEs arrived within {timeout:g} s")
+            return go, why
+        try:  # another PE holds the ticket: it writes the verdict right away
+            verdict = store.get(prefix + "verdict", max(1.0, min(timeout, 10.0)))
+        except StoreTimeoutError:
+            return False, "the PE that took the decision did not write it (gone?)"
+        return verdict == b"go", f"verdict {verdict.decode()!r} from the PE that decided"
+    except StoreError as exc:
+        return False, f"the metadata store failed during teardown: {exc}"
+

@@ -1,0 +1,419 @@
+"""This process's NVSHMEM PE: bootstrap, symmetric memory, the on-stream operations, teardown.
+
+NVSHMEM is per process: one PE of one fixed group, joined collectively. Every agent of the process
+that is configured with the same :class:`~xfer.config.NvshmemGroup` shares the one
+:class:`Runtime` (``acquire`` / ``release``, reference-counted).
+
+Bootstrap: rank 0 makes the unique id and publishes it in the agents' metadata store; the other
+ranks read it (``nvshmem_bootstrap``); every rank calls ``nvshmem.core.init`` on a helper thread,
+bounded by ``init_timeout_s``. Then, collectively and in the same order on every PE, the staging
+areas and signal words (``nvshmem_proto.StagingPlan``) are allocated and zeroed, and a barrier
+ensures no PE signals a peer that has not zeroed its words yet.
+
+Interface the lanes use (a CPU stand-in in the tests implements the same): ``pe``, ``size``,
+``plan``, ``host_id``, ``lanes``, ``bind_thread()``, ``new_stream()``, ``record(stream)`` -> event
+with ``query()``, ``gather``, ``scatter``, ``put_signal``, ``wait_data``, ``wait_credit``,
+``send_credit``, ``set_own_credit``, ``set_own_data``, ``quiet``. Every NVSHMEM call is made under
+``lock`` (the bindings hold the GIL anyway).
+
+Teardown: ``nvshmem_free`` and ``nvshmem_finalize`` are collectives that block with the GIL held, so
+a PE whose peer is gone would hang for good. ``close`` first agrees with the other PEs through the
+store (``agree_to_finalize``, bounded); only if all PEs are closing does it free and finalize,
+otherwise it leaves the memory to the process exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, StoreError, TransportError, TransportUnavailableError, XferError
+from ..store import open_store
+from . import nvshmem_bootstrap as bootstrap
+from .nvshmem_lanes import Lanes
+from .nvshmem_proto import StagingPlan
+
+__all__ = ["Runtime", "acquire", "release", "CLOSE_TIMEOUT_S"]
+
+log = logging.getLogger("xfer.nvshmem")
+
+CLOSE_TIMEOUT_S = 10.0  # default wait for the other PEs at teardown (NvshmemGroup.close_timeout_s)
+
+_lock = threading.Lock()
+_current: Runtime | None = None
+_refs = 0
+_spoiled: str | None = None  # why NVSHMEM cannot be initialised again in this process
+_abandoned: list = []  # symmetric tensors of a runtime whose teardown was skipped: never freed implicitly
+
+
+def _same_group(a, b) -> bool:
+    keys = ("store", "name", "rank", "size", "device", "staging_bytes")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def acquire(group, host_id: str) -> Runtime:
+    """This process's PE for ``group`` (joining the group on first use)."""
+    global _current, _refs, _spoiled
+    with _lock:
+        if _current is None and _spoiled is not None:
+            raise TransportUnavailableError(f"NVSHMEM cannot be set up again in this process: {_spoiled}")
+        if _current is not None:
+            if _same_group(_current.group, group):
+                _refs += 1
+                return _current
+            g = _current.group
+            raise TransportUnavailableError(f"this process already is PE {g.rank} of NVSHMEM group {g.name!r}; a "
+                                            f"process holds one PE of one group (asked: rank {group.rank} of "
+                                            f"{group.name!r})")
+        try:
+            rt = Runtime(group, host_id)
+        except Exception as exc:  # noqa: BLE001 - a CUDA or NVSHMEM error disables the transport, not the agent
+            if _Tried.init:  # a half-done nvshmem init cannot be retried in-process
+                _spoiled = f"an earlier setup failed after nvshmem.core.init was called ({exc})"
+            if isinstance(exc, XferError):
+                raise
+            raise TransportUnavailableError(f"NVSHMEM setup of PE {group.rank} of group {group.name!r} failed: "
+                                            f"{exc!r}") from exc
+        _current, _refs = rt, 1
+        return _current
+
+
+def release(rt) -> None:
+    """Drop one reference; the last one tears the PE down."""
+    global _current, _refs, _spoiled
+    with _lock:
+        if rt is not _current:
+            return
+        _refs -= 1
+        if _refs > 0:
+            return
+        _current = None
+        rt.close()
+        if not rt.teardown.startswith("finalized"):
+            _spoiled = f"the last PE was not finalized ({rt.teardown})"
+        _Tried.init = False
+
+
+class _Tried:
+    init = False  # nvshmem.core.init was called by the runtime being set up
+
+
+class Runtime:
+    """One NVSHMEM PE: ``pe`` of ``size``, its device, staging areas, signal words and lanes."""
+
+    def __init__(self, group, host_id: str):
+        try:
+            import nvshmem.bindings as nvb
+            import nvshmem.core as nvc
+            from cuda.core import Device
+        except ImportError as exc:
+            raise TransportUnavailableError(f"nvshmem4py cannot be imported: {exc}") from None
+        self._nvc, self._nvb = nvc, nvb
+        self._GE, self._SET = int(nvb.Cmp_type.CMP_GE), int(nvb.Signal_op.SIGNAL_SET)
+        self.group, self.pe, self.size, self.host_id = group, group.rank, group.size, host_id
+        index = torch.cuda.current_device() if group.device is None else group.device
+        if not 0 <= index < torch.cuda.device_count():
+            raise InvalidArgumentError(f"NvshmemGroup.device={index} but this process sees "
+                                       f"{torch.cuda.device_count()} CUDA devices")
+        self.index, self.device = index, torch.device("cuda", index)
+        self.plan = StagingPlan(group.size, group.staging_bytes)
+        self.lock = threading.RLock()
+        self.session, self.status = "", "unknown"
+        self.teardown = "open"  # then "finalized: why" or "skipped: why"
+        self._tensors: list[torch.Tensor] = []  # from nvshmem.core.tensor, in allocation order
+        self._externals: list[torch.Tensor] = []  # register_external aliases, in registration order
+        self._ranges: list[tuple[int, int, int]] = []  # (local start, bytes, symmetric start)
+        self._direct_stream = None
+        self._closed = False
+        try:
+            self.store = open_store(group.store, timeout=group.init_timeout_s)
+        except StoreError as exc:
+            raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: cannot open store {group.store}: "
+                                            f"{exc}") from None
+        try:
+            with torch.cuda.device(index):
+                self._bootstrap(Device(index))
+                self._allocate()
+        except BaseException:
+            self.store.close()
+            raise
+        self.lanes = Lanes(self)
+        log.info("NVSHMEM PE %d of %d (group %r, session %s) on %s: %r, status %s", self.pe, self.size, group.name,
+                 self.session, self.device, self.plan, self.status)
+
+    def __repr__(self) -> str:
+        return (f"Runtime(pe={self.pe}/{self.size}, group={self.group.name!r}, session={self.session}, "
+                f"device={self.device}, {'closed' if self._closed else 'open'})")
+
+    # ---- bootstrap -----------------------------------------------------------------------------
+    def _bootstrap(self, device) -> None:
+        nvc, g, start = self._nvc, self.group, time.monotonic()
+        try:
+            if g.rank == 0:
+                uid = nvc.get_unique_id()
+                self.session = bootstrap.publish_uid(self.store, g, uid._data.view(np.int8).tobytes())
+            else:
+                self.session, raw = bootstrap.fetch_uid(self.store, g, g.init_timeout_s)
+                uid = nvc.get_unique_id(empty=True)
+                view = uid._data.view(np.int8)
+                if len(raw) != view.size:
+                    raise TransportUnavailableError(f"NVSHMEM unique id from the store has {len(raw)} bytes, this "
+                                                    f"nvshmem4py expects {view.size}")
+                view[:] = np.frombuffer(raw, dtype=np.int8)
+            bootstrap.mark_joined(self.store, g, self.session)
+        except XferError as exc:
+            if isinstance(exc, TransportUnavailableError):
+                raise
+            raise TransportUnavailableError(f"NVSHMEM group {g.name!r}: store {g.store}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - no libnvshmem_host, a driver error: report, keep the agent
+            raise TransportUnavailableError(f"NVSHMEM unique id failed on rank {g.rank}: {exc!r}") from None
+        failure, done = [], threading.Event()
+
+        def run():
+            try:
+                device.set_current()
+                nvc.init(device=device, uid=uid, rank=g.rank, nranks=g.size, initializer_method="uid")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failure.append(exc)
+            finally:
+                done.set()
+
+        _Tried.init = True
+        threading.Thread(target=run, name="xfer-nvshmem-init", daemon=True).start()
+        if not done.wait(max(1.0, g.init_timeout_s - (time.monotonic() - start))):
+            try:
+                n = bootstrap.joined(self.store, g, self.session)
+            except XferError:
+                n = "?"
+            raise TransportUnavailableError(f"NVSHMEM init of group {g.name!r} (rank {g.rank} of {g.size}) did not "
+                                            f"complete within {g.init_timeout_s:g} s; {n} of {g.size} PEs reached init")
+        if failure:
+            raise TransportUnavailableError(f"NVSHMEM init failed on rank {g.rank} of group {g.name!r}: "
+                                            f"{failure[0]!r} (set NVSHMEM_DEBUG=INFO for NVSHMEM's own log)")
+        mine, n = int(self._nvb.my_pe()), int(self._nvb.n_pes())
+        if (mine, n) != (g.rank, g.size):
+            raise TransportUnavailableError(f"NVSHMEM made this process PE {mine} of {n}; configured rank {g.rank} "
+                                            f"of {g.size}")
+        status = int(nvc.init_status())
+        try:
+            self.status = nvc.InitStatus(status).name  # e.g. STATUS_LIMITED_MPG: several PEs share a GPU
+        except ValueError:
+            self.status = str(status)
+        if g.rank == 0:
+            try:  # every PE has read it (init is collective); a later group must not read a stale id
+                self.store.delete(bootstrap.uid_key(g))
+            except XferError:
+                pass
+
+    def _sym(self, nbytes: int) -> torch.Tensor:
+        """Collective: ``nbytes`` of symmetric memory as a uint8 tensor (freed by ``close``)."""
+        with self.lock:
+            try:
+                t = self._nvc.tensor((nbytes,), dtype=torch.uint8, except_on_del=False)
+            except Exception as exc:  # noqa: BLE001 - NvshmemError carries no detail
+                raise TransportUnavailableError(
+                    f"nvshmem_malloc of {nbytes} bytes failed on PE {self.pe} ({exc!r}); the symmetric heap is "
+                    f"NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE', '<default 1 GiB>')}, and "
+                    f"{len(self._tensors)} allocations were made before") from None
+        self._tensors.append(t)
+        self._ranges.append((t.data_ptr(), nbytes, t.data_ptr()))
+        return t
+
+    def _allocate(self) -> None:
+        w = self.plan.words
+        with torch.cuda.device(self.index):
+            self.recv = self._sym(self.plan.area_bytes)  # [src, role] slots this PE receives into
+            self.send = self._sym(self.plan.area_bytes)  # [dst, role] slots this PE gathers into
+            words = self._sym(16 * w).view(torch.int64)  # uint64 for NVSHMEM; values stay < 2**63
+            words.zero_()
+            self.data_words, self.credit_words = words[:w], words[w:]
+            stream = torch.cuda.Stream(self.index)
+            stream.wait_stream(torch.cuda.current_stream(self.index))
+            with self.lock:
+                self._nvb.barrier_all_on_stream(stream.cuda_stream)
+            event = self.record(stream)
+        end = time.monotonic() + self.group.init_timeout_s
+        while not event.query():
+            if time.monotonic() > end:
+                raise TransportUnavailableError(f"NVSHMEM barrier after allocating the staging areas did not "
+                                                f"complete within {self.group.init_timeout_s:g} s")
+            time.sleep(1e-3)
+        self._recv_ptr, self._send_ptr = self.recv.data_ptr(), self.send.data_ptr()
+        self._data_ptr, self._credit_ptr = self.data_words.data_ptr(), self.credit_words.data_ptr()
+
+    # ---- streams and the on-stream operations the lanes use -----------------------------------------
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.index)
+
+    def new_stream(self):
+        return torch.cuda.Stream(device=self.index)
+
+    def record(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def gather(self, stream, layout, tensors, ids, dst: int, role: int, seq: int, nbytes: int):
+        from xfer.kernels import gather
+
+        off = self.plan.position(dst, role, seq)
+        return gather(layout, tensors, ids, self.send[off:off + nbytes], stream=stream)
+
+    def scatter(self, stream, src: int, role: int, seq: int, nbytes: int, layout, tensors, ids, staging_layout):
+        from xfer.kernels import scatter
+
+        off = self.plan.position(src, role, seq)
+        return scatter(self.recv[off:off + nbytes], layout, tensors, ids, staging_layout=staging_layout, stream=stream)
+
+    def put_signal(self, stream, dst: int, role: int, seq: int, nbytes: int) -> None:
+        """My send position (dst, role, seq) -> dst's receive position (me, role, seq); dst's data word := seq."""
+        p = self.plan
+        with self.lock:
+            self._nvb.putmem_signal_on_stream(self._recv_ptr + p.position(self.pe, role, seq),
+                                              self._send_ptr + p.position(dst, role, seq), nbytes,
+                                              self._data_ptr + 8 * p.word(self.pe, role), seq, self._SET, dst,
+                                              stream.cuda_stream)
+
+    def _wait(self, stream, addr: int, value: int) -> None:
+        with self.lock:
+            self._nvb.signal_wait_until_on_stream(addr, self._GE, value, stream.cuda_stream)
+
+    def _set(self, stream, addr: int, value: int, pe: int) -> None:
+        with self.lock:
+            self._nvb.signal_op_on_stream(addr, value, self._SET, pe, stream.cuda_stream)
+
+    def wait_data(self, stream, src: int, role: int, value: int) -> None:
+        self._wait(stream, self._data_ptr + 8 * self.plan.word(src, role), value)
+
+    def wait_credit(self, stream, dst: int, role: int, value: int) -> None:
+        self._wait(stream, self._credit_ptr + 8 * self.plan.word(dst, role), value)
+
+    def send_credit(self, stream, src: int, role: int, value: int) -> None:
+        """src's credit word for (me, role) := value."""
+        self._set(stream, self._credit_ptr + 8 * self.plan.word(self.pe, role), value, src)
+
+    def set_own_credit(self, stream, dst: int, role: int, value: int) -> None:
+        self._set(stream, self._credit_ptr + 8 * self.plan.word(dst, role), value, self.pe)
+
+    def set_own_data(self, stream, src: int, role: int, value: int) -> None:
+        self._set(stream, self._data_ptr + 8 * self.plan.word(src, role), value, self.pe)
+
+    def quiet(self, stream) -> None:
+        with self.lock:
+            self._nvb.quiet_on_stream(stream.cuda_stream)
+
+    # ---- symmetric KV pools (the direct path) ------------------------------------------------------
+    def symmetric_empty(self, shape, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """Collective: an uninitialised tensor on the symmetric heap (same call order on every PE)."""
+        if device is not None and torch.device(device) != self.device:
+            raise InvalidArgumentError(f"symmetric memory of this PE is on {self.device}, asked for {device}")
+        shape = tuple(int(x) for x in shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with torch.cuda.device(self.index):
+            raw = self._sym(max(nbytes, 1))
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def register_external(self, tensors) -> list[torch.Tensor]:
+        """Collective: put existing device tensors on the symmetric heap; returns their aliases."""
+        out = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device != self.device or not t.is_contiguous():
+                raise InvalidArgumentError(f"tensor {i} must be a contiguous tensor on {self.device}, got "
+                                           f"{getattr(t, 'device', type(t).__name__)}")
+            nbytes = t.numel() * t.element_size()
+            with torch.cuda.device(self.index), self.lock:
+                try:
+                    alias = self._nvc.register_external_tensor(t)
+                except Exception as exc:  # noqa: BLE001 - reported with what NVSHMEM needs
+                    raise TransportError(f"nvshmem register_external_tensor failed for tensor {i} ({nbytes} bytes at "
+                                         f"{t.data_ptr():#x}): {exc!r}; NVSHMEM registers CUDA VMM allocations "
+                                         f"(e.g. torch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)") from None
+            self._externals.append(alias)
+            self._ranges.append((t.data_ptr(), nbytes, alias.data_ptr()))
+            out.append(alias)
+        return out
+
+    def symmetric_offsets(self, tensors, layout) -> list[int] | None:
+        """Where each base tensor sits on the symmetric heap (relative to the receive area), or None."""
+        out = []
+        for i, t in enumerate(tensors):
+            p, need = t.data_ptr(), layout.tensor_numel[i] * layout.itemsize
+            for start, nbytes, sym in self._ranges[3:]:  # the first three are the staging areas and words
+                if start <= p and p + need <= start + nbytes:
+                    out.append(sym + (p - start) - self._recv_ptr)
+                    break
+            else:
+                return None
+        return out
+
+    def peer_views(self, offsets, layout, pe: int) -> list[torch.Tensor] | None:
+        """PE ``pe``'s base tensors at ``offsets``, mapped for kernels here; None if not reachable.
+
+        Built like ``nvshmem.core.get_peer_tensor``: a cuda.core Buffer over the ``nvshmem_ptr``
+        address, owned by NVSHMEM's memory resource (so torch sees a tensor of this PE's device),
+        exported through DLPack. Dropping it frees nothing (the address is not an allocation).
+        """
+        from cuda.core import Buffer
+
+        mr = self._nvc.tensor_get_buffer(self.recv)[0].memory_resource
+        views = []
+        for i, off in enumerate(offsets):
+            with self.lock:
+                ptr = int(self._nvb.ptr(self._recv_ptr + int(off), pe))
+            if not ptr:
+                return None
+            need = layout.tensor_numel[i] * layout.itemsize
+            flat = self._own_bytes(ptr, need)  # this PE's own memory (a put to itself): no foreign Buffer
+            if flat is None:
+                flat = torch.utils.dlpack.from_dlpack(Buffer.from_handle(ptr=ptr, size=need, mr=mr)).view(torch.uint8)
+            views.append(flat.view(layout.dtype))
+        return views
+
+    def _own_bytes(self, ptr: int, nbytes: int) -> torch.Tensor | None:
+        for t in self._tensors + self._externals:
+            start = t.data_ptr()
+            if start <= ptr and ptr + nbytes <= start + t.numel() * t.element_size():
+                flat = t.view(-1).view(torch.uint8)
+                return flat[ptr - start:ptr - start + nbytes]
+        return None
+
+    def direct_stream(self):
+        if self._direct_stream is None:
+            self._direct_stream = torch.cuda.Stream(device=self.index)
+        return self._direct_stream
+
+    # ---- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        clean = self.lanes.close()
+        timeout = float(getattr(self.group, "close_timeout_s", CLOSE_TIMEOUT_S))
+        go, why = bootstrap.agree_to_finalize(self.store, self.group, self.session, vote=clean, timeout=timeout)
+        if go:
+            try:
+                with torch.cuda.device(self.index), self.lock:
+                    torch.cuda.synchronize(self.index)
+                    for alias in self._externals:
+                        self._nvc.unregister_external_tensor(alias)
+                    for t in self._tensors:  # allocation order: the same on every PE
+                        self._nvc.free_tensor(t)
+                    self._nvc.finalize()
+                self.teardown = f"finalized: {why}"
+                log.info("NVSHMEM PE %d of group %r finalized (%s)", self.pe, self.group.name, why)
+            except Exception as exc:  # noqa: BLE001 - logged; close never raises
+                self.teardown = f"failed: {exc!r}"
+                log.exception("NVSHMEM PE %d of group %r: teardown failed", self.pe, self.group.name)
+        else:
+            self.teardown = f"skipped: {why}"
+            _abandoned.extend(self._tensors + self._externals)
+            log.warning("NVSHMEM PE %d of group %r skipped nvshmem_free/nvshmem_finalize (%s); the memory is "
+                        "released when the process exits", self.pe, self.group.name, why)
+        self._tensors, self._externals, self._ranges = [], [], []
+        self.store.close()
