@@ -1,0 +1,100 @@
+"""Layer-wise streaming: post layer ``l``'s blocks to the decode instance as soon as they are in the
+prefill pool, while the forward goes on with layer ``l+1``.
+
+On CPU the forward is synchronous, so the write is posted from the cache hook itself. On a GPU
+the hook runs when layer ``l``'s kernels are *queued*: it records an event on the current stream
+and a poster thread waits for that event before posting (``Agent.write`` takes no event to wait
+on; the transport's copy runs on its own stream). The forward thread never blocks on a transfer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from .kv_pool import region_name
+from .protocol import LayerNote, TokenNote, encode
+
+__all__ = ["LayerStreamer"]
+
+
+class LayerStreamer:
+    """Streams one request's layers from ``src_blocks`` to the peer's ``dst_blocks``.
+
+    peer_heads: the decode-side head range this rank writes (``None``: all heads, region ``kv.<l>``).
+    timeout: deadline of each layer's transfer, in seconds.
+    """
+
+    def __init__(self, agent, peer: str, req: str, src_blocks: list[int], dst_blocks: list[int], *,
+                 num_layers: int, rank: int = 0, peer_heads: tuple[int, int] | None = None,
+                 timeout: float = 30.0, device: torch.device | None = None, hold_last: bool = True):
+        self.agent, self.peer, self.req, self.rank = agent, peer, req, rank
+        # the last layer waits for the first token (lm_head is ~1 layer's matmul on 1 position), so
+        # one write carries both and the decode side needs no extra round trip
+        self.last = num_layers - 1 if hold_last else None
+        self._held = False
+        self.src, self.dst, self.peer_heads, self.timeout = src_blocks, dst_blocks, peer_heads, timeout
+        self.transfers = []
+        self._queue: queue.Queue | None = None
+        self._poster: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if device is not None and device.type == "cuda":
+            self._queue = queue.Queue()
+            self._poster = threading.Thread(target=self._post_when_ready, name=f"stream-{req}", daemon=True)
+            self._poster.start()
+
+    def layer_done(self, layer: int) -> None:
+        """Cache hook: layer ``layer``'s new tokens are in the pool (or queued to be, on a GPU)."""
+        if self._queue is None:
+            self._post(layer)
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._queue.put((layer, event))
+
+    def _post_when_ready(self) -> None:
+        while (item := self._queue.get()) is not None:
+            layer, event = item
+            try:
+                event.synchronize()
+                self._post(layer)
+            except BaseException as exc:
+                self._error = self._error or exc
+
+    def _post(self, layer: int, note: bytes | None = None, blocks: bool = True) -> None:
+        if layer == self.last and note is None:
+            self._held = True
+            return
+        note = note or encode(LayerNote(req=self.req, layer=layer, rank=self.rank))
+        self.transfers.append(self.agent.write(
+            self.peer, self.src if blocks else [], self.dst if blocks else [], region=region_name(layer),
+            peer_region=region_name(layer, self.peer_heads), notify=note, timeout=self.timeout))
+
+    def finish(self, token: int | None, t_start: float, t_forward: float) -> float:
+        """Send the first token and wait until every layer landed; returns that time.
+
+        With ``hold_last`` the token rides on the held last layer's write (one write, after the
+        lm_head); without, it goes at once as a zero-block write and the last layer is not held
+        back (the decode side counts layers and token separately, in any order). Raises the first
+        transfer's typed error (TransferTimeoutError, PeerDisconnectedError, ...).
+        """
+        note = None
+        if token is not None:
+            note = TokenNote(req=self.req, token=int(token), t_start=t_start, t_forward=t_forward, rank=self.rank)
+            if self.last is None:
+                self._post(0, encode(note), blocks=False)
+        if self._queue is not None:
+            self._queue.put(None)
+            self._poster.join()
+        if self._error is not None:
+            raise self._error
+        if self._held:
+            if note is not None:
+                note.layer = self.last
+            self._post(self.last, encode(note or LayerNote(req=self.req, layer=self.last, rank=self.rank)))
+        for t in self.transfers:
+            t.wait()
+        return time.time()
