@@ -1,0 +1,308 @@
+"""The UCX transport between two processes on loopback: the seed workload byte-exact both ways,
+layout conversion, many concurrent small requests to two peers, receiver-side validation with
+typed refusals, and real faults (kill -9 of either side mid-transfer, a frozen peer past the
+deadline, cancellation) ending in typed errors with no notification for a partial transfer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
+
+from helpers import assert_blocks_equal, assert_untouched, block_bytes, fill_random, poison  # noqa: E402
+from ucx_helpers import UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
+from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache  # noqa: E402
+from xfer.errors import (BlockIdError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,  # noqa: E402
+                         TransferCancelledError, TransferTimeoutError)
+
+pytestmark = pytest.mark.timeout(120)
+
+# the seed case: 64 layers x K/V x 128 of 256 blocks, every other one: 16,384 separate 128-byte slices
+SEED = dict(num_layers=64, num_blocks=256, block_size=4, num_heads=1, head_dim=16)
+KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
+SMALL = dict(num_layers=4, num_blocks=64, block_size=4, num_heads=2, head_dim=8)
+# long enough on CPU to be cut mid-way: 32 MiB in 4,096 chunks of 8 KiB, one in flight
+SLOW = dict(num_layers=8, num_blocks=512, block_size=16, num_heads=2, head_dim=64)
+SLOW_ENV = {"XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_DEPTH": "1"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for k, v in ucx_env().items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def local(env):
+    """This process's agent with a random seed cache, UCX pinned."""
+    tensors, layout = make_kv_cache(KIND, **SEED)
+    fill_random(tensors, seed=7)
+    agent = Agent("prefill", AgentConfig(transport="ucx", default_timeout_s=20))
+    agent.register("kv", tensors, layout)
+    yield agent, tensors, layout
+    agent.close()
+
+
+@pytest.fixture(scope="module")
+def decodes():
+    """Two peer agents with seed-shaped caches, shared by the tests of this module."""
+    peers = [UcxPeer(f"decode{i}" if i else "decode", KIND, SEED) for i in range(2)]
+    yield peers
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def decode(decodes):
+    """The first shared peer, its region fresh and poisoned."""
+    assert decodes[0].call("reset") == "ok"
+    return decodes[0]
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """A peer whose UCX slots are 8 KiB, one in flight: its transfers take long enough to cut."""
+    box = [UcxPeer("slow", KIND, SLOW, env=SLOW_ENV)]
+    yield box
+    box[0].close()
+
+
+def test_seed_write_is_byte_exact_and_notifies(local, decode):
+    agent, tensors, layout = local
+    peer = agent.connect(decode.metadata)
+    assert agent.route(peer).kind.value == "ucx"
+    src, dst = list(range(0, 256, 2)), list(range(128, 256))[::-1]
+    t = agent.write(peer, src, dst, notify=b"req-42")
+    t.wait()
+    assert t.poll() is TransferState.DONE and t.path.startswith("ucx (host staging")
+    assert decode.call("notification", 5) == ("ok", "prefill", "write", dst, b"req-42")
+    remote = decode.tensors()
+    assert_blocks_equal(layout, tensors, src, decode.layout, remote, dst)
+    assert_untouched(decode.layout, remote, dst)
+
+
+def test_seed_read_is_byte_exact_and_notifies_the_owner(local, decode):
+    agent, tensors, layout = local
+    poison(tensors)
+    assert decode.call("reset", 11) == "ok"
+    peer = agent.connect(decode.metadata)
+    src, dst = list(range(128)), list(range(64, 192))
+    agent.read(peer, src, dst, notify=b"pulled").wait()
+    assert decode.call("notification", 5) == ("ok", "prefill", "read", src, b"pulled")
+    assert_blocks_equal(decode.layout, decode.tensors(), src, layout, tensors, dst)
+    assert_untouched(layout, tensors, dst)
+
+
+@pytest.mark.parametrize("mine,theirs", [(LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND),
+                                         (LayoutKind.PACKED_KV, LayoutKind.DISTSERVE)])
+def test_layouts_convert_on_the_way(env, mine, theirs):
+    """Different physical orders (NHD -> HND) and layouts whose blocks are not rows (packed K|V)."""
+    tensors, layout = make_kv_cache(mine, **SMALL)
+    fill_random(tensors, seed=3)
+    peer = UcxPeer("other", theirs, SMALL)
+    try:
+        with Agent("src", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            src, dst = [5, 1, 9, 33], [0, 63, 7, 8]
+            agent.write(name, src, dst).wait()
+            remote = peer.tensors()
+            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+            assert_untouched(peer.layout, remote, dst)
+            poison(tensors)
+            agent.read(name, dst, [2, 3, 4, 5]).wait()
+            assert_blocks_equal(peer.layout, remote, dst, layout, tensors, [2, 3, 4, 5])
+    finally:
+        peer.close()
+
+
+def test_many_concurrent_small_requests_to_two_peers(local, decodes):
+    agent, tensors, layout = local
+    for p in decodes:
+        assert p.call("reset") == "ok"
+    names = [agent.connect(p.metadata) for p in decodes]
+    rng = np.random.default_rng(0)
+    plan = []  # (peer index, src ids, dst ids): 32 requests per peer, disjoint destinations
+    for i in range(2):
+        dst = rng.permutation(256)
+        for r in range(32):
+            plan.append((i, rng.integers(0, 256, 2).tolist(), dst[2 * r:2 * r + 2].tolist()))
+    transfers = [agent.write(names[i], s, d, notify=f"r{k}".encode()) for k, (i, s, d) in enumerate(plan)]
+    for t in transfers:
+        t.wait()
+    for i, p in enumerate(decodes):
+        notes = p.call("notifications")
+        wait_until(lambda: len(notes) == 32 or notes.extend(p.call("notifications")), 5, "32 notifications")
+        mine = [(s, d, f"r{k}".encode()) for k, (j, s, d) in enumerate(plan) if j == i]
+        assert sorted(n[3] for n in notes) == sorted(m[2] for m in mine)
+        remote = p.tensors()
+        for s, d, _ in mine:
+            assert_blocks_equal(layout, tensors, s, p.layout, remote, d)
+        assert_untouched(p.layout, remote, [x for _, d, _ in mine for x in d])
+
+
+def test_receiver_validates_before_accepting(local, decode):
+    """Stale metadata: the target's own checks refuse, with the typed error of the cause."""
+    agent, _, _ = local
+    peer = agent.connect(decode.metadata)
+    agent.write(peer, [0], [0]).wait()  # connected and working
+    assert len(decode.call("notifications")) == 1
+    other = dict(SEED, head_dim=8)
+    assert decode.call("reregister", (KIND.value, other)) == "ok"
+    with pytest.raises(LayoutMismatchError, match="head_dim"):
+        agent.write(peer, [1, 2], [3, 4]).wait()
+    assert decode.call("reregister", (KIND.value, dict(SEED, num_blocks=8))) == "ok"
+    with pytest.raises(BlockIdError):
+        agent.write(peer, [1, 2], [3, 200]).wait()
+    assert decode.call("reregister", None) == "ok"
+    with pytest.raises(NotRegisteredError):
+        agent.read(peer, [1], [3]).wait()
+    assert decode.call("notifications") == []  # nothing refused was delivered
+
+
+def test_killed_target_mid_transfer_fails_fast_and_agent_recovers(env, slow, decodes):
+    tensors, layout = make_kv_cache(KIND, **SLOW)
+    fill_random(tensors, seed=2)
+    with Agent("p", AgentConfig(transport="ucx", default_timeout_s=30)) as agent:
+        agent.register("kv", tensors, layout)
+        v = agent.connect(slow[0].metadata)
+        t = agent.write(v, list(range(512)), list(range(512)), timeout=30)
+        wait_until(lambda: t.poll() is TransferState.RUNNING, 5, "the transfer starting")
+        time.sleep(0.2)
+        assert t.poll() is TransferState.RUNNING, f"the transfer ended before the kill: {t.error!r}"
+        start = time.monotonic()
+        slow[0].kill()
+        with pytest.raises(PeerDisconnectedError):
+            t.wait()
+        assert time.monotonic() - start < 5.0  # noticed by UCX, not at the 30 s deadline
+        # the agent still serves other peers ...
+        seed, seed_layout = make_kv_cache(KIND, **SEED)
+        fill_random(seed, seed=4)
+        agent.register("seed", seed, seed_layout)
+        assert decodes[1].call("reset") == "ok"
+        o = agent.connect(decodes[1].metadata)
+        agent.write(o, [1, 2], [3, 4], region="seed", peer_region="kv").wait()
+        assert_blocks_equal(seed_layout, seed, [1, 2], decodes[1].layout, decodes[1].tensors(), [3, 4])
+        # ... and reconnects to the restarted one
+        slow[0] = UcxPeer("slow", KIND, SLOW, env=SLOW_ENV)
+        v = agent.connect(slow[0].metadata)
+        agent.write(v, [7, 9], [0, 1], region="kv").wait()
+        assert_blocks_equal(layout, tensors, [7, 9], slow[0].layout, slow[0].tensors(), [0, 1])
+
+
+def test_killed_initiator_mid_transfer_delivers_nothing(env, decodes):
+    """A partly received transfer never reports its blocks: the target drops it, stays usable."""
+    tensors, layout = make_kv_cache(KIND, **SLOW)
+    poison(tensors)
+    seed_cache, seed_layout = make_kv_cache(KIND, **SEED)
+    poison(seed_cache)
+    with Agent("target", AgentConfig(transport="ucx", default_timeout_s=30)) as agent:
+        agent.register("kv", tensors, layout)
+        agent.register("seed", seed_cache, seed_layout)
+        writer = UcxPeer("writer", KIND, SLOW, seed=9, env=SLOW_ENV)
+        try:
+            writer.call("connect", agent.metadata())
+            writer.call("post", [("write", "target", list(range(512)), list(range(512)), 30, b"x")])
+            wait_until(lambda: writer.call("states") == ["RUNNING"], 5, "the transfer starting")
+            time.sleep(0.3)
+            assert writer.call("states") == ["RUNNING"], "the transfer ended before the kill: make it longer"
+            writer.kill()
+            with pytest.raises(TransferTimeoutError):
+                agent.wait_notification(1.5)
+        finally:
+            writer.close()
+        other = decodes[1]  # another process is served normally
+        assert other.call("reset", 9) == "ok"
+        other.call("connect", agent.metadata())
+        other.call("post", [("write", "target", [4, 5], [10, 11], 10, b"y", "seed")])
+        assert other.call("wait")[0][0] == "ok"
+        note = agent.wait_notification(5)
+        assert note.payload == b"y" and note.blocks.tolist() == [10, 11] and note.region == "seed"
+        exp = expected_blocks(KIND, SEED, 9, [4, 5])
+        for a, b in zip(exp, block_bytes(seed_layout, seed_cache, [10, 11])):
+            assert np.array_equal(a, b)
+
+
+def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode):
+    agent, _, _ = local
+    peer = agent.connect(decode.metadata)
+    agent.write(peer, [0], [0]).wait()
+    decode.call("notifications")
+    decode.signal(signal.SIGSTOP)  # alive, holds its sockets, answers nothing
+    start = time.monotonic()
+    t = agent.write(peer, list(range(128)), list(range(128)), timeout=1.0)
+    with pytest.raises(TransferTimeoutError):
+        t.wait()
+    assert time.monotonic() - start < 1.5
+    assert t.poll() is TransferState.TIMED_OUT
+    decode.signal(signal.SIGCONT)
+    time.sleep(0.5)  # it wakes up past the deadline: it must drop the transfer, not deliver it
+    assert decode.call("notifications") == []
+    agent.write(peer, [3], [3], notify=b"after").wait()  # the connection is still good
+    assert decode.call("notification", 5)[4] == b"after"
+
+
+def test_cancel_mid_transfer(env, slow):
+    tensors, layout = make_kv_cache(KIND, **SLOW)
+    fill_random(tensors, seed=1)
+    peer = slow[0]
+    assert peer.call("reset") == "ok"
+    with Agent("p", AgentConfig(transport="ucx", default_timeout_s=30)) as agent:
+        agent.register("kv", tensors, layout)
+        name = agent.connect(peer.metadata)
+        t = agent.write(name, list(range(512)), list(range(512)))
+        wait_until(lambda: t.poll() is TransferState.RUNNING, 5, "the transfer starting")
+        time.sleep(0.1)
+        assert t.cancel(), f"the transfer ended before the cancel: {t.error!r}"
+        with pytest.raises(TransferCancelledError):
+            t.wait()
+        time.sleep(0.3)
+        assert peer.call("notifications") == []
+        agent.write(name, [1], [1], notify=b"next").wait()
+        assert peer.call("notification", 5)[4] == b"next"
+
+
+def test_check_route_and_probe(local, monkeypatch):
+    import builtins
+
+    from xfer.metadata import decode
+    from xfer.transports.base import PeerHandle
+    from xfer.transports.ucx import UcxTransport
+
+    agent, _, _ = local
+    md = decode(agent.metadata())
+    transport = agent.transports[next(k for k in agent.transports if k.value == "ucx")]
+    info = transport.info()
+    assert info["port"] > 0 and info["address"] == "127.0.0.1"
+    region = agent._regions["kv"]
+    no_ucx = PeerHandle(metadata=md.__class__(**{**md.__dict__, "transports": {}}), request=None)
+    assert "offers no ucx" in transport.check_route(region, no_ucx, md.regions["kv"], "write")
+    other_host = PeerHandle(metadata=md.__class__(**{**md.__dict__, "host_id": "elsewhere"}), request=None)
+    assert transport.check_route(region, other_host, md.regions["kv"], "write") is None
+
+    real_import = builtins.__import__
+
+    def no_ucxx(name, *a, **kw):
+        if name.startswith("ucxx"):
+            raise ImportError("No module named 'ucxx'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_ucxx)
+    assert "needs ucxx" in UcxTransport.probe()
+
+
+def test_chunk_plan_bounds_the_staging_footprint():
+    from xfer.transports.ucx_stage import chunk_list, plan_chunks
+
+    _, layout = make_kv_cache(KIND, device="meta", **SEED)
+    for n, chunk in ((128, 64 << 10), (1, 4096), (256, 1 << 20)):
+        bpc, lpc = plan_chunks(layout, n, chunk, 4)
+        chunks = chunk_list(layout, n, bpc, lpc)
+        assert all(c.nbytes <= chunk for c in chunks)
+        assert sum(c.nbytes for c in chunks) == n * layout.bytes_per_block
+        covered = {(b, layer) for c in chunks for b in range(c.b0, c.b1) for layer in range(c.l0, c.l1)}
+        assert len(covered) == n * layout.num_layers

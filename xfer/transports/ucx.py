@@ -1,0 +1,121 @@
+"""The ``ucx`` transport: blocks between agents on any hosts, through UCX (ucxx).
+
+Data path (pipelined, two-sided): the sender gathers a chunk of blocks (all layers, K and V)
+into a slot of a staging pool and tag-sends it; the receiver tag-receives into a slot of its
+pool and scatters it; successive chunks overlap (up to ``depth`` in flight per transfer), and
+every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per memory
+kind. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
+with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA support (else CUDA
+blocks are staged through pinned host memory, and ``Transfer.path`` says so).
+
+Control: a listener per agent (published in ``info()``); connections from peer metadata, a hello
+that checks the peer's identity; each transfer starts with a request the receiving side
+validates (region, layout fingerprint, block ids) before any data moves, and ends when the
+receiving side has landed every byte, delivered its notification and acknowledged. Deadlines
+bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
+receiving side never delivers a notification for a dropped transfer. Wire format: ucx_wire.py;
+progress model: ucx_engine.py.
+
+Settings: :class:`~xfer.transports.ucx_wire.UcxSettings` (``XFER_UCX_*`` environment variables);
+UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_RAILS``) apply.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from ..errors import PeerDisconnectedError, TransportError
+from ..metadata import RegionRecord
+from ..transfer import Op, TransferState
+from . import TransportKind
+from .base import Job, LocalRegion, PeerHandle, Transport
+from .ucx_wire import VERSION, UcxSettings
+
+__all__ = ["UcxTransport", "UcxSettings"]
+
+
+def _import_ucxx():
+    import ucxx._lib.libucxx as libucxx  # noqa: F401  (the synchronous core API)
+    from ucxx._lib.arr import Array
+
+    class _Ucx:  # what the engine uses, in one place
+        pass
+
+    _Ucx.libucxx, _Ucx.Array = libucxx, Array
+    return _Ucx
+
+
+class UcxTransport(Transport):
+    kind = TransportKind.UCX
+
+    def __init__(self, ctx, settings: UcxSettings | None = None) -> None:
+        super().__init__(ctx)
+        from .ucx_engine import Engine
+
+        self.settings = settings or UcxSettings.from_env()
+        self._engine = Engine(ctx, self.settings, _import_ucxx())
+        self._closed = False
+        self.address = self.settings.address or self._default_address()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        try:
+            _import_ucxx()
+        except ImportError as exc:
+            return f"ucx: needs ucxx (pip install ucxx-cu12 or ucxx-cu13), which cannot be imported: {exc}"
+        return None
+
+    def _default_address(self) -> str:
+        host = self.ctx.config.listen_host
+        if host in ("", "0.0.0.0", "::"):
+            try:
+                return socket.gethostbyname(socket.gethostname())
+            except OSError:
+                return "127.0.0.1"
+        return host
+
+    def info(self) -> dict:
+        e = self._engine
+        return {"version": VERSION, "address": self.address, "port": e.port, "host_id": self.ctx.host_id,
+                "cuda": bool(e.context.cuda_support), "tls": e.context.config.get("TLS", ""),
+                "chunk_bytes": self.settings.chunk_bytes}
+
+    def export_region(self, region: LocalRegion) -> dict | None:
+        return {"device": str(region.device)}
+
+    def release_region(self, region: LocalRegion) -> None:
+        if not self._closed:
+            self._engine.call_soon(lambda: self._engine.proto and self._engine.proto.forget(region))
+
+    def check_route(self, local: LocalRegion, peer: PeerHandle, peer_region: RegionRecord, op: Op) -> str | None:
+        info = peer.metadata.transports.get(self.kind.value)
+        if not info or not info.get("address") or not info.get("port"):
+            return f"peer {peer.name!r} offers no ucx listener"
+        if info.get("version") != VERSION:
+            return f"peer {peer.name!r} speaks ucx wire version {info.get('version')!r}, this agent {VERSION}"
+        if local.device.type not in ("cpu", "cuda"):
+            return f"the ucx transport moves host or CUDA memory, local region is on {local.device}"
+        if self._closed:
+            return "the ucx transport is closed"
+        return None
+
+    def post(self, job: Job) -> None:
+        if self._closed:
+            job.transfer._finish(TransferState.FAILED, TransportError("ucx transport is closed"))
+            return
+        self._engine.call_soon(self._engine.proto.start, job)
+
+    def disconnect(self, peer_agent_id: str) -> None:
+        def drop():
+            conn = self._engine._out.get(peer_agent_id)
+            if conn is not None:
+                self._engine.conn_failed(conn, PeerDisconnectedError(
+                    f"peer {conn.name!r} was disconnected (or reconnected with new metadata)"))
+        if not self._closed:
+            self._engine.call_soon(drop)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.close()

@@ -1,0 +1,53 @@
+"""Connections of the UCX engine: one UCX endpoint per (peer agent, direction), a hello over
+UCX's stream API to swap connection ids and identities, then tagged messages only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import MetadataError, PeerDisconnectedError
+from . import ucx_wire as wire
+
+__all__ = ["Conn"]
+
+
+class Conn:
+    """A UCX endpoint to one peer agent.
+
+    ``local_id``: the id this side gave the connection (the peer tags its messages with it);
+    ``remote_id``: the id the peer gave it (our tags to the peer carry it). ``outgoing``: this
+    side connected (to the peer's listener) rather than accepted. ``waiting``: control messages held
+    until the hello round is over. ``flows``: live flows on this connection.
+    """
+
+    __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
+                 "flows", "hello_in", "hello_out", "address", "error")
+
+    def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
+                 address: str = ""):
+        self.ep, self.local_id, self.outgoing = ep, local_id, outgoing
+        self.agent_id, self.name, self.address = agent_id, name, address
+        self.remote_id = 0
+        self.ready = False
+        self.dead = False
+        self.error: Exception | None = None
+        self.waiting: list = []
+        self.flows: dict[int, object] = {}
+        self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
+        self.hello_out: np.ndarray | None = None
+
+    def __repr__(self) -> str:
+        way = "to" if self.outgoing else "from"
+        state = "dead" if self.dead else "ready" if self.ready else "connecting"
+        return f"Conn({way} {self.name or '?'} at {self.address or '?'}, ids {self.local_id}/{self.remote_id}, {state})"
+
+    def on_hello(self) -> None:
+        """Check the peer's hello (raises a typed error when it is not the agent we expected)."""
+        conn, agent_id, name = wire.parse_hello(self.hello_in)
+        if self.outgoing and self.agent_id and agent_id != self.agent_id:
+            raise MetadataError(f"stale metadata for {self.name!r}: UCX listener {self.address} is served by agent "
+                                f"{agent_id!r}, the metadata names {self.agent_id!r}")
+        if conn == 0:
+            raise PeerDisconnectedError(f"peer {name!r} sent connection id 0 in its hello")
+        self.remote_id, self.agent_id, self.name = conn, agent_id, self.name or name
+        self.ready = True

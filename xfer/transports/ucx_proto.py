@@ -1,0 +1,292 @@
+"""The UCX transport's control protocol, run on the engine thread: connecting and accepting,
+the hello, and the REQ / ACCEPT / REFUSE / ACK / FIN / CANCEL messages (see ucx_wire)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..errors import (InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
+                      TransferCancelledError, TransferTimeoutError, XferError)
+from ..layout import KVLayout
+from ..transfer import Notification, Op, TransferState
+from . import ucx_wire as wire
+from .ucx_conn import Conn
+from .ucx_engine import error_class
+from .ucx_flow import Flow
+from .ucx_stage import BlockCopier, chunk_list, plan_chunks
+
+__all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
+
+PIPELINE_MIN_CHUNKS = int(os.environ.get("XFER_UCX_MIN_CHUNKS", "4"))  # small transfers still cut this fine (overlap)
+PROBE_BATCH = 64  # control messages taken per loop turn
+
+
+class Protocol:
+    def __init__(self, engine):
+        self.e = engine
+        self.ctx = engine.ctx
+        self._copiers: dict[int, tuple[object, BlockCopier]] = {}
+        self._self_ep = None
+        self._pill = np.zeros(1, dtype=np.uint8)
+
+    # ---- connections -------------------------------------------------------------------------
+    def connect(self, md) -> Conn:
+        conn = self.e._out.get(md.agent_id)
+        if conn is not None and not conn.dead:
+            return conn
+        info = md.transports.get("ucx") or {}
+        address, port = info.get("address"), info.get("port")
+        try:
+            ep = self.e.u.UCXEndpoint.create(self.e.worker, address, int(port), True)
+        except Exception as exc:
+            raise PeerDisconnectedError(f"cannot reach the UCX listener of {md.name!r} at {address}:{port}: {exc}") \
+                from None
+        conn = Conn(ep, next(self.e._ids), outgoing=True, agent_id=md.agent_id, name=md.name,
+                    address=f"{address}:{port}")
+        self.e._conns[conn.local_id] = conn
+        self.e._out[md.agent_id] = conn
+        self._hello(conn)
+        return conn
+
+    def accept(self, conn_request) -> None:
+        try:
+            ep = self.e.listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:  # the peer went away while connecting
+            self.e.log.warning("xfer ucx: could not accept a connection: %s", exc)
+            return
+        conn = Conn(ep, next(self.e._ids), outgoing=False)
+        self.e._conns[conn.local_id] = conn
+        self._hello(conn)
+
+    def _hello(self, conn: Conn) -> None:
+        conn.ep.set_close_callback(self._ep_closed, cb_args=(conn,))
+        conn.hello_out = wire.hello(conn.local_id, self.ctx.agent_id, self.ctx.agent_name)
+        self.e.track(conn.ep.stream_send(self.e.ucx.Array(conn.hello_out)), lambda err: self._hello_done(conn, err))
+        self.e.track(conn.ep.stream_recv(self.e.ucx.Array(conn.hello_in)), lambda err: self._hello_in(conn, err))
+
+    def _ep_closed(self, conn: Conn) -> None:  # called by UCX inside progress: defer
+        self.e.call_soon(self.e.conn_failed, conn, PeerDisconnectedError(
+            f"UCX endpoint to peer {conn.name or '?'} at {conn.address or '?'} failed (peer died or the link "
+            f"is down); its transfers report no block complete"))
+
+    def _hello_done(self, conn: Conn, err) -> None:
+        if err is not None:
+            self.e.conn_failed(conn, PeerDisconnectedError(
+                f"could not connect to {conn.name or 'peer'} at {conn.address or '?'} over UCX: {err}"))
+
+    def _hello_in(self, conn: Conn, err) -> None:
+        if conn.dead:
+            return
+        if err is not None:
+            return self._hello_done(conn, err)
+        try:
+            conn.on_hello()
+        except XferError as exc:
+            self.e.conn_failed(conn, exc)
+            return
+        waiting, conn.waiting = conn.waiting, []
+        for msg in waiting:
+            self._send(conn, msg)
+
+    def close(self) -> None:
+        for conn in list(self.e._conns.values()):
+            self.e.conn_failed(conn, PeerDisconnectedError("transport closed"))
+        self._copiers.clear()  # the self endpoint stays until teardown: its pills may be in flight
+
+    # ---- control messages --------------------------------------------------------------------
+    def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
+        msg = wire.encode(kind, header, ids, payload)
+        if conn.ready:
+            self._send(conn, msg)
+        else:
+            conn.waiting.append(msg)
+
+    def _send(self, conn: Conn, msg: np.ndarray) -> None:
+        def sent(err, msg=msg):  # holds ``msg`` until UCX is done with it
+            if err is not None:
+                self.e.conn_failed(conn, PeerDisconnectedError(f"control message to {conn.name!r} failed: {err}"))
+        self.e.tag_send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
+
+    def self_send(self, tag: int) -> None:
+        """An empty message to our own worker, completing a receive nobody will send to."""
+        if self._self_ep is None:
+            self._self_ep = self.e.worker.create_endpoint_from_worker_address(self.e.worker.address, False)
+        self.e.track(self._self_ep.tag_send(self.e.ucx.Array(self._pill), self.e.u.UCXXTag(tag)), lambda err: None)
+
+    def probe(self) -> bool:
+        u, got = self.e.u, 0
+        while got < PROBE_BATCH:
+            probe = self.e.worker.tag_probe(u.UCXXTag(0), u.UCXXTagMask(wire.CTRL_MASK), remove=True)
+            if not probe.matched:
+                break
+            got += 1
+            buf = np.empty(probe.length, dtype=np.uint8)
+            conn_id = probe.sender_tag.value >> 32
+            self.e.track(self.e.worker.tag_recv_with_handle(self.e.ucx.Array(buf), probe),
+                         lambda err, b=buf, c=conn_id: self._on_ctrl(c, b, err))
+        return got > 0
+
+    def _on_ctrl(self, conn_id: int, buf: np.ndarray, err) -> None:
+        conn = self.e._conns.get(conn_id)
+        if conn is None or conn.dead or err is not None:
+            return
+        try:
+            kind, header, binary = wire.decode(buf)
+        except (XferError, ValueError) as exc:
+            self.e.conn_failed(conn, PeerDisconnectedError(f"peer {conn.name!r} sent a bad control message: {exc}"))
+            return
+        if kind is wire.Kind.REQ:
+            return self._on_req(conn, header, binary)
+        if kind is wire.Kind.FIN:
+            return self._on_fin(conn, header)
+        init_side = kind in (wire.Kind.ACCEPT, wire.Kind.REFUSE, wire.Kind.ACK) or \
+            (kind is wire.Kind.CANCEL and not header.get("init"))
+        flow = self.e._flows.get(header.get("k")) if init_side else self.e._targets.get((conn.local_id, header.get("k")))
+        if flow is None or flow.dead or flow.conn is not conn:
+            return  # late message of a dropped transfer
+        if kind is wire.Kind.ACCEPT:
+            flow.on_accept(int(header.get("xid", 0)))
+            self.e.want(flow)
+        elif kind is wire.Kind.REFUSE:
+            cls = error_class(header.get("error"))
+            self.e.fail(flow, cls(f"peer {conn.name!r} refused transfer {flow.tid}: {header.get('message')}"),
+                        notify_peer=False)
+        elif kind is wire.Kind.ACK:
+            self.e.drop(flow)
+            flow.transfer._finish(TransferState.DONE)
+        elif kind is wire.Kind.CANCEL:
+            why = header.get("why")
+            cls = TransferTimeoutError if why == "TransferTimeoutError" else (
+                TransferCancelledError if why == "TransferCancelledError" else PeerDisconnectedError)
+            who = "initiator" if header.get("init") else "target"
+            self.e.fail(flow, cls(f"the {who} {conn.name!r} dropped transfer {flow.tid or flow.key} ({why}); no "
+                                  f"block is reported complete"), notify_peer=False)
+
+    # ---- initiator ---------------------------------------------------------------------------
+    def start(self, job) -> None:
+        t = job.transfer
+        if t.poll().terminal:
+            return
+        try:
+            conn = self.connect(job.peer.metadata)
+            copier, pool = self._copier(job.local), self.e.pool(self._pool_kind(job.local))
+            sender = job.local.layout if job.op is Op.WRITE else job.peer_region.layout
+            n = int(job.local_ids.size)
+            peer_slot = int((job.peer.metadata.transports.get("ucx") or {}).get("chunk_bytes") or 1 << 62)
+            bpc, lpc = plan_chunks(job.local.layout, n, min(self.e.settings.chunk_bytes, peer_slot),
+                                   PIPELINE_MIN_CHUNKS)
+            chunks = chunk_list(job.local.layout, n, bpc, lpc)
+        except XferError as exc:
+            t._finish(TransferState.FAILED, exc)
+            return
+        flow = Flow(self.e, key=next(self.e._keys), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
+                    copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
+                    tid=t.id, region=job.peer_region.name, notify=job.notify, peer_name=job.peer.name)
+        if job.op is Op.READ:
+            flow.xid = next(self.e._xids) & 0xFFFFFF or next(self.e._xids)
+        t.path = self.describe(job.local, copier, pool)
+        t._start(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
+        self.e._flows[flow.key] = flow
+        conn.flows[id(flow)] = flow
+        header = {"k": flow.key, "op": job.op.value, "region": job.peer_region.name, "n": n, "bpc": bpc, "lpc": lpc,
+                  "xid": flow.xid, "ttl": max(t.time_left(), 0.0), "tid": t.id, "from": self.ctx.agent_name,
+                  "layout": job.local.layout.to_dict(), "order": sender.inner_order}
+        self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
+        self.e.want(flow)
+
+    def _cancelled(self, flow: Flow) -> None:
+        if not flow.dead:
+            self.e.fail(flow, flow.transfer.error)
+
+    # ---- target ------------------------------------------------------------------------------
+    def _on_req(self, conn: Conn, h: dict, binary: bytes) -> None:
+        key = h.get("k")
+        try:
+            op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
+            if region is None:
+                raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
+            theirs = KVLayout.from_dict(h.get("layout"))
+            region.layout.check_compatible(theirs, what=f"initiator {h.get('from')!r}")
+            if op is Op.READ and h.get("order") != region.layout.inner_order:
+                raise LayoutMismatchError(f"initiator expects block order {h.get('order')!r}, region {region.name!r} "
+                                          f"is {region.layout.inner_order!r} (stale metadata: reconnect)")
+            ids, notify = wire.split_ids(binary, int(h.get("n", -1)))
+            ids = region.layout.check_block_ids(ids, what="requested block ids", unique=op is Op.WRITE)
+            chunks = chunk_list(region.layout, ids.size, int(h["bpc"]), int(h["lpc"]))
+            biggest = max((c.nbytes for c in chunks), default=0)
+            if biggest > self.e.settings.chunk_bytes:
+                raise InvalidArgumentError(f"initiator's chunks of {biggest} bytes exceed this side's UCX slots of "
+                                           f"{self.e.settings.chunk_bytes} bytes (XFER_UCX_CHUNK_BYTES differs)")
+            copier, pool = self._copier(region), self.e.pool(self._pool_kind(region))
+        except (XferError, ValueError, KeyError, TypeError) as exc:
+            name = type(exc).__name__ if isinstance(exc, XferError) else "InvalidArgumentError"
+            self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": str(exc)})
+            return
+        ttl = float(h.get("ttl", 0.0))
+        flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn,
+                    deadline=time.monotonic() + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
+                    sender_layout=theirs if op is Op.WRITE else region.layout, chunks=chunks, pool=pool,
+                    tid=str(h.get("tid")), region=region.name, notify=notify, peer_name=str(h.get("from")))
+        flow.accepted = True
+        flow.xid = (next(self.e._xids) & 0xFFFFFF or next(self.e._xids)) if op is Op.WRITE else int(h["xid"])
+        self.e._targets[(conn.local_id, key)] = flow
+        conn.flows[id(flow)] = flow
+        self.send_ctrl(conn, wire.Kind.ACCEPT, {"k": key, "xid": flow.xid})
+        if op is Op.WRITE and not chunks:
+            self.landed(flow)
+        self.e.want(flow)
+
+    def landed(self, flow: Flow) -> None:
+        """Every chunk of a receiving flow is scattered."""
+        if flow.initiator:  # READ: tell the data owner, finish on its ACK
+            self.send_ctrl(flow.conn, wire.Kind.FIN, {"k": flow.key})
+            return
+        if time.monotonic() >= flow.deadline:
+            self.e.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} landed after its deadline"))
+            return
+        self.e.drop(flow)
+        self._deliver(flow, Op.WRITE)
+        self.send_ctrl(flow.conn, wire.Kind.ACK, {"k": flow.key})
+
+    def _on_fin(self, conn: Conn, h: dict) -> None:
+        flow = self.e._targets.get((conn.local_id, h.get("k")))
+        if flow is None or flow.dead:
+            return
+        self.e.drop(flow)
+        self._deliver(flow, Op.READ)
+        self.send_ctrl(conn, wire.Kind.ACK, {"k": flow.key})
+
+    def _deliver(self, flow: Flow, op: Op) -> None:
+        self.ctx.deliver(Notification(peer=flow.peer_name, transfer_id=flow.tid, op=op, region=flow.region,
+                                      blocks=flow.ids, payload=flow.notify))
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _copier(self, region) -> BlockCopier:
+        entry = self._copiers.get(id(region))
+        if entry is None or entry[0] is not region:
+            entry = self._copiers[id(region)] = (region, BlockCopier(region.layout, region.tensors))
+        return entry[1]
+
+    def forget(self, region) -> None:
+        self._copiers.pop(id(region), None)
+
+    def _pool_kind(self, region) -> str:
+        dev = region.device
+        if dev.type == "cpu":
+            return "host"
+        if dev.type == "cuda":
+            return f"cuda:{dev.index or 0}" if self.e.context.cuda_support else "pinned"
+        raise InvalidArgumentError(f"the UCX transport moves host or CUDA memory, region {region.name!r} is on {dev}")
+
+    def describe(self, region, copier: BlockCopier, pool) -> str:
+        tls = self.e.context.config.get("TLS", "?")
+        if pool.kind == "pinned":
+            where = "CUDA blocks staged through pinned host memory (this UCX has no CUDA support)"
+        elif pool.kind.startswith("cuda"):
+            where = f"GPU-direct from {pool.kind} staging"
+        else:
+            where = "host staging"
+        return f"ucx ({where}; copy: {copier.path}; UCX_TLS={tls})"

@@ -1,0 +1,266 @@
+"""Staging for the UCX transport: chunk plans, the shared slot pools, and the gather/scatter of one
+chunk (a range of blocks x a range of layers) into or out of a slot, on a copy thread.
+
+Host regions whose blocks are whole rows of their base tensors (every layout xfer names except
+packed K|V) are gathered with one ``index_select`` per run of slots on one base tensor and
+scattered with ``index_copy_`` (memory speed, a few calls per chunk). Everything else, CUDA
+regions included, goes through ``xfer.kernels.gather`` / ``scatter`` (one launch on CUDA; the
+torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError
+from ..layout import KVLayout
+
+__all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Blocks ``ids[b0:b1]`` of layers ``l0:l1``; staged as ``[layers, K, blocks, block bytes]``."""
+
+    seq: int
+    b0: int
+    b1: int
+    l0: int
+    l1: int
+    nbytes: int
+
+
+def plan_chunks(layout: KVLayout, n: int, chunk_bytes: int, min_chunks: int = 1) -> tuple[int, int]:
+    """(blocks per chunk, layers per chunk) for ``n`` blocks, each chunk at most ``chunk_bytes``.
+
+    A transfer that fits fewer than ``min_chunks`` slots is still cut into about that many
+    chunks (whole blocks) so that gather, wire and scatter overlap.
+    """
+    per_block = layout.bytes_per_block
+    if per_block <= chunk_bytes:
+        target = min(chunk_bytes, -(-max(n, 1) * per_block // max(min_chunks, 1)))
+        return max(1, min(max(n, 1), target // per_block)), layout.num_layers
+    per_layer = layout.num_kv * layout.block_nbytes
+    if per_layer > chunk_bytes:
+        raise InvalidArgumentError(f"one layer of one block is {per_layer} bytes, more than the UCX chunk of "
+                                   f"{chunk_bytes} bytes: raise XFER_UCX_CHUNK_BYTES")
+    return 1, chunk_bytes // per_layer
+
+
+def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> list[Chunk]:
+    per = layout.num_kv * layout.block_nbytes
+    out = []
+    for b0 in range(0, n, bpc):
+        b1 = min(n, b0 + bpc)
+        for l0 in range(0, layout.num_layers, lpc):
+            l1 = min(layout.num_layers, l0 + lpc)
+            out.append(Chunk(len(out), b0, b1, l0, l1, (b1 - b0) * (l1 - l0) * per))
+    return out
+
+
+def sub_layout(layout: KVLayout, l0: int, l1: int) -> KVLayout:
+    """``layout`` restricted to layers ``l0:l1`` (same base tensors)."""
+    if (l0, l1) == (0, layout.num_layers):
+        return layout
+    k = layout.num_kv
+    d = layout.to_dict()
+    d.update(num_layers=l1 - l0, slot_tensor=d["slot_tensor"][l0 * k:l1 * k],
+             slot_offset=d["slot_offset"][l0 * k:l1 * k])
+    return KVLayout.from_dict(d)
+
+
+class Slot:
+    """One staging buffer: ``tensor`` (uint8, for copies) and ``wire`` (what ucxx sends from)."""
+
+    __slots__ = ("index", "tensor", "wire", "owner")
+
+    def __init__(self, index: int, tensor: torch.Tensor, wire):
+        self.index, self.tensor, self.wire, self.owner = index, tensor, wire, None
+
+    def view(self, nbytes: int):
+        """(tensor view, wire view) of the first ``nbytes``."""
+        return self.tensor[:nbytes], self.wire[:nbytes]
+
+
+class StagingPool:
+    """``count`` slots of ``nbytes`` in one allocation (one UCX registration cache entry).
+
+    ``kind``: "host" (page-aligned host memory), "pinned" (page-locked host, for CUDA regions
+    staged through the host) or "cuda:N" (device memory, sent GPU-direct by UCX).
+    """
+
+    def __init__(self, kind: str, nbytes: int, count: int):
+        self.kind, self.nbytes, self.count = kind, nbytes, count
+        if kind.startswith("cuda"):
+            base = torch.empty(nbytes * count, dtype=torch.uint8, device=kind)
+            wires = [base[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+        else:
+            base = torch.empty(nbytes * count, dtype=torch.uint8, pin_memory=kind == "pinned")
+            arr = base.numpy()
+            wires = [arr[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+        self._base = base
+        self.slots = [Slot(i, base[i * nbytes:(i + 1) * nbytes], wires[i]) for i in range(count)]
+        self._free: collections.deque[int] = collections.deque(range(count))
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, owner) -> Slot | None:
+        if not self._free:
+            return None
+        slot = self.slots[self._free.popleft()]
+        slot.owner = owner
+        return slot
+
+    def give(self, slot: Slot) -> None:
+        assert slot.owner is not None, "slot returned twice"
+        slot.owner = None
+        self._free.append(slot.index)
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _byte_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``nbytes`` from ``t.data_ptr()`` (whatever ``t``'s strides)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
+
+
+class BlockCopier:
+    """Gathers / scatters chunks of one region (its layout and base tensors).
+
+    Host fast path (blocks are whole rows of their base tensors): a gather is ONE
+    ``index_select`` over a read-only view spanning every base tensor (rows at the gcd of all row
+    addresses, so rows may overlap: it is only read); a scatter is one ``index_copy_`` per run of
+    slots on one base tensor (non-overlapping row views of that tensor).
+    """
+
+    def __init__(self, layout: KVLayout, tensors: list[torch.Tensor]):
+        self.layout, self.tensors = layout, tensors
+        self.device = tensors[0].device
+        self.rows = self._rows() if self.device.type == "cpu" else None
+        self.span = self._span() if self.rows is not None else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def path(self) -> str:
+        return "host rows" if self.rows is not None else (
+            "triton" if self.device.type == "cuda" else "torch reference")
+
+    def _rows(self):
+        """Per base tensor a [rows, block] view in the widest element dividing the block and every
+        address (index_copy_ moves elements one by one: 8-byte ones are ~10x faster than bytes),
+        or None when blocks are not whole rows."""
+        lay, bn = self.layout, self.layout.block_numel
+        if not lay.block_contiguous or lay.block_stride % bn or any(o % bn for o in lay.slot_offset):
+            return None
+        ptrs = [t.data_ptr() for t in self.tensors]
+        self.word = next(w for w, dt in _WORDS if lay.block_nbytes % w == 0 and all(p % w == 0 for p in ptrs))
+        dt = dict(_WORDS)[self.word]
+        views = []
+        for t, numel in zip(self.tensors, lay.tensor_numel):
+            nrows = numel // bn
+            flat = _byte_view(t, numel * lay.itemsize)[:nrows * lay.block_nbytes]
+            views.append(flat.view(dt).view(nrows, lay.block_nbytes // self.word))
+        base = np.asarray(lay.slot_offset, dtype=np.int64) // bn
+        return views, base, lay.block_stride // bn
+
+    def _span(self):
+        """(view of rows over every base tensor's address range, row of block 0 per slot, row step)."""
+        lay, isz = self.layout, self.layout.itemsize
+        ptrs = [t.data_ptr() for t in self.tensors]
+        addr = np.asarray([ptrs[t] + o * isz for t, o in zip(lay.slot_tensor, lay.slot_offset)], dtype=np.int64)
+        lo = min(ptrs)
+        hi = max(p + n * isz for p, n in zip(ptrs, lay.tensor_numel))
+        step = lay.block_stride * isz
+        unit = int(np.gcd.reduce(np.append(addr - lo, step)))
+        flat = torch.from_numpy(np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8))
+        nrows = (hi - lo - lay.block_nbytes) // unit + 1
+        return flat.as_strided((nrows, lay.block_nbytes), (unit, 1)), (addr - lo) // unit, step // unit
+
+    def _groups(self, l0: int, l1: int):
+        """Maximal runs [s0, s1) of consecutive slots on one base tensor within layers l0:l1."""
+        k, st = self.layout.num_kv, self.layout.slot_tensor
+        s, end = l0 * k, l1 * k
+        while s < end:
+            e = s + 1
+            while e < end and st[e] == st[s]:
+                e += 1
+            yield st[s], s, e
+            s = e
+
+    def _row_index(self, s0: int, s1: int, ids: np.ndarray) -> torch.Tensor:
+        _, base, step = self.rows
+        return torch.from_numpy((base[s0:s1, None] + ids[None, :] * step).reshape(-1))
+
+    def gather(self, ids: np.ndarray, l0: int, l1: int, out: torch.Tensor) -> None:
+        """Blocks ``ids`` of layers l0:l1 into ``out`` (``[layers, K, len(ids), block]`` bytes)."""
+        if self.rows is None:
+            return self._kernel_gather(ids, l0, l1, out)
+        rows, base, step = self.span
+        k = self.layout.num_kv
+        index = torch.from_numpy((base[l0 * k:l1 * k, None] + ids[None, :] * step).reshape(-1))
+        torch.index_select(rows, 0, index, out=out.view(-1, self.layout.block_nbytes))
+
+    def scatter(self, src: torch.Tensor, ids: np.ndarray, l0: int, l1: int, sender: KVLayout) -> None:
+        """The reverse of ``gather``; ``sender`` is the peer's layout (its inner order is the staging's)."""
+        if self.rows is None or sender.inner_order != self.layout.inner_order:
+            return self._kernel_scatter(src, ids, l0, l1, sender)
+        views, m, first = self.rows[0], len(ids), l0 * self.layout.num_kv
+        src2d = src.view(dict(_WORDS)[self.word]).view(-1, self.layout.block_nbytes // self.word)
+        for t, s0, s1 in self._groups(l0, l1):
+            views[t].index_copy_(0, self._row_index(s0, s1, ids), src2d[(s0 - first) * m:(s1 - first) * m])
+
+    def _kernel_gather(self, ids, l0, l1, out) -> None:
+        from xfer.kernels import gather
+
+        event = gather(sub_layout(self.layout, l0, l1), self.tensors, ids, out, stream=self.stream) \
+            if self.stream is not None else gather(sub_layout(self.layout, l0, l1), self.tensors, ids, out)
+        if event is not None:
+            event.synchronize()
+
+    def _kernel_scatter(self, src, ids, l0, l1, sender) -> None:
+        from xfer.kernels import scatter
+
+        staging = sub_layout(sender, l0, l1).staging(len(ids))
+        kw = {"stream": self.stream} if self.stream is not None else {}
+        event = scatter(src, sub_layout(self.layout, l0, l1), self.tensors, ids, staging_layout=staging, **kw)
+        if event is not None:
+            event.synchronize()
+
+
+class Copier:
+    """One thread running gathers and scatters in order; ``done(result)`` is called on it after each."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, done: Callable) -> None:
+        self._q.put((fn, done))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, done = item
+            try:
+                fn()
+                done(None)
+            except Exception as exc:  # reported to the transfer that asked for the copy
+                done(exc)
