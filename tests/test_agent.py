@@ -9,6 +9,7 @@ import pytest
 
 from helpers import assert_blocks_equal, assert_untouched, fill_random, poison, small_dims
 from xfer import Agent, AgentConfig, LayoutKind, Op, TransferState, make_kv_cache
+from xfer import TransportKind as TransportKindAlias
 from xfer.errors import (AgentClosedError, BlockIdError, InvalidArgumentError, LayoutMismatchError,
                          LengthMismatchError, NotRegisteredError, PeerNotConnectedError, TransferCancelledError,
                          TransferTimeoutError, TransportUnavailableError)
@@ -274,3 +275,27 @@ def test_notification_wait_times_out(pair):
         pair.b.wait_notification(0.2)
     assert 0.15 < time.monotonic() - start < 1.0
     assert np.asarray(pair.b.notifications()).size == 0
+
+
+def test_enable_limits_the_transports_started():
+    with Agent("only-local", AgentConfig(enable=("local",))) as a:
+        assert list(a.transports) == [TransportKindAlias.LOCAL]
+        assert all("not enabled" in r for r in a.unavailable.values())
+    with pytest.raises(InvalidArgumentError, match="enable must list transports"):
+        AgentConfig(enable=("pigeon",))
+    with pytest.raises(InvalidArgumentError, match="not in enable"):
+        AgentConfig(enable=("local",), transport="ucx")
+
+
+def test_send_delivers_a_message_without_blocks(pair):
+    pair.a.send(pair.peer, b"token 42")
+    note = pair.b.wait_notification(1.0)
+    assert (note.op, note.payload, note.blocks.size, note.peer) == (Op.MESSAGE, b"token 42", 0, "a")
+    with pytest.raises(PeerNotConnectedError):
+        pair.a.send("nobody", b"x")
+    with pytest.raises(InvalidArgumentError, match="max_notify_bytes"):
+        pair.a.send(pair.peer, b"x" * 70000)
+    _stall_notifications(pair.b, 2.0)
+    pair.b._server._handler = (lambda h, p, f=pair.b._server._handler: (time.sleep(2), f(h, p))[1])
+    with pytest.raises(TransferTimeoutError):
+        pair.a.send(pair.peer, b"late", timeout=0.3)

@@ -24,6 +24,7 @@ from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .transfer import Notification, Op, Transfer, TransferState
 from .transports import PREFERENCE, TransportKind, load
+from .transports.notify import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 
 __all__ = ["Agent"]
@@ -63,6 +64,7 @@ class Agent:
         self._clients: dict[str, ControlClient] = {}
         self._routes: dict[tuple, Selection] = {}
         self._inflight: set[Transfer] = set()
+        self._prune_at = 64
         self._notes: collections.deque[Notification] = collections.deque()
         self._notes_cond = threading.Condition()
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(),
@@ -70,6 +72,9 @@ class Agent:
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:
+            if self.config.enable is not None and kind not in self.config.enable:
+                self.unavailable[kind] = f"{kind.value}: not enabled (AgentConfig.enable)"
+                continue
             cls = load(kind)
             reason = cls if isinstance(cls, str) else cls.probe()
             if reason is None:
@@ -291,11 +296,29 @@ class Agent:
             transfer = Transfer(peer=peer, op=op, num_blocks=int(src_ids.size),
                                 nbytes=int(src_ids.size) * local.layout.bytes_per_block,
                                 path=selection.kind.value, timeout=float(timeout))
-            self._inflight = {t for t in self._inflight if not t.poll().terminal}
+            if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
+                self._inflight = {t for t in self._inflight if not t._state.terminal}
+                self._prune_at = max(64, 2 * len(self._inflight))
             self._inflight.add(transfer)
         transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
                            local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify)))
         return transfer
+
+    def send(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
+        """Deliver ``payload`` to ``peer`` as a :class:`Notification` (op MESSAGE, no blocks);
+        returns once the peer has queued it, or raises (PeerDisconnectedError, TransferTimeoutError)."""
+        self._check_open()
+        if not isinstance(payload, (bytes, bytearray)) or len(payload) > self.config.max_notify_bytes:
+            raise InvalidArgumentError(f"payload must be bytes of at most max_notify_bytes="
+                                       f"{self.config.max_notify_bytes}, got {type(payload).__name__} "
+                                       f"of {len(payload) if isinstance(payload, (bytes, bytearray)) else '?'}")
+        client = self._clients.get(peer)
+        if client is None:
+            raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        reply, _ = client.request({"type": "message", "from": self.name}, bytes(payload),
+                                  deadline=time.monotonic() + timeout)
+        raise_remote(reply, peer)
 
     # ---- passive side ------------------------------------------------------------------------
     def notifications(self, peer: str | None = None) -> list[Notification]:
@@ -337,6 +360,10 @@ class Agent:
                                                 what="notified block ids", unique=op is Op.WRITE)
             self._deliver(Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
                                        op=op, region=region.name, blocks=ids, payload=payload))
+            return {"ok": True}, b""
+        if kind == "message":
+            self._deliver(Notification(peer=str(header.get("from")), transfer_id="", op=Op.MESSAGE, region="",
+                                       blocks=np.zeros(0, dtype=np.int64), payload=payload))
             return {"ok": True}, b""
         prefix = kind.split(".", 1)[0] if isinstance(kind, str) and "." in kind else None
         for tkind, transport in self.transports.items():

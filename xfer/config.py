@@ -65,6 +65,8 @@ class AgentConfig:
     max_notify_bytes: largest notification payload accepted.
     nvshmem: join this NVSHMEM group at construction (collective: blocks until all ranks join);
         None leaves the NVSHMEM transport off.
+    enable: start only these transports (None: every one that can run here). Each started
+        transport costs threads and, for ucx, a listener; a disabled one is reported as such.
     """
 
     default_timeout_s: float = 30.0
@@ -75,6 +77,7 @@ class AgentConfig:
     chunk_bytes: int = 64 << 20
     max_notify_bytes: int = 1 << 16
     nvshmem: NvshmemGroup | None = None
+    enable: tuple[TransportKind, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("default_timeout_s", "connect_timeout_s"):
@@ -92,6 +95,16 @@ class AgentConfig:
                 ) from None
         if self.nvshmem is not None and not isinstance(self.nvshmem, NvshmemGroup):
             raise InvalidArgumentError(f"nvshmem must be an NvshmemGroup or None, got {type(self.nvshmem).__name__}")
+        if self.enable is not None:
+            try:
+                kinds = tuple(TransportKind(k) for k in self.enable)
+            except (ValueError, TypeError):
+                raise InvalidArgumentError(
+                    f"enable must list transports from {[k.value for k in TransportKind]}, got {self.enable!r}"
+                ) from None
+            object.__setattr__(self, "enable", kinds)
+            if self.transport is not None and self.transport not in kinds:
+                raise InvalidArgumentError(f"pinned transport {self.transport.value!r} is not in enable={list(kinds)}")
         for name in ("chunk_bytes", "max_notify_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

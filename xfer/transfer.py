@@ -40,6 +40,7 @@ class TransferState(enum.IntEnum):
 class Op(enum.Enum):
     WRITE = "write"  # local blocks -> peer blocks (push)
     READ = "read"  # peer blocks -> local blocks (pull)
+    MESSAGE = "message"  # no blocks: a payload only (Agent.send)
 
 
 class Transfer:
