@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from . import metadata as md_codec
+from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
 from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
-                     NotRegisteredError, PeerNotConnectedError, TransferTimeoutError, TransportUnavailableError)
+                     NotRegisteredError, PeerNotConnectedError, XferError, TransferTimeoutError, TransportUnavailableError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .transfer import Notification, Op, Transfer, TransferState
@@ -67,8 +68,10 @@ class Agent:
         self._prune_at = 64
         self._notes: collections.deque[Notification] = collections.deque()
         self._notes_cond = threading.Condition()
-        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(),
-                               config=self.config, log=log, region=self._regions.get, deliver=self._deliver)
+        secret = secret_from(self.config.secret)
+        self._auth = Authenticator(secret) if secret is not None else None
+        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(), config=self.config,
+                               log=log, auth=self._auth, region=self._regions.get, deliver=self._deliver)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:
@@ -85,7 +88,7 @@ class Agent:
             if reason is not None:
                 self.unavailable[kind] = reason
         self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
-                                     max_payload=self.config.max_notify_bytes)
+                                     max_payload=self.config.max_notify_bytes, auth=self._auth)
         self._host_id = ctx.host_id
 
     def __repr__(self) -> str:
@@ -143,7 +146,7 @@ class Agent:
         with self._lock:
             regions = {n: RegionRecord(name=n, layout=r.layout, device=str(r.device), exports=self._exports[n])
                        for n, r in self._regions.items()}
-        return md_codec.encode(AgentMetadata(
+        return md_codec.encode(auth=self._auth, md=AgentMetadata(
             name=self.name, agent_id=self.agent_id, pid=os.getpid(), hostname=socket.gethostname(),
             host_id=self._host_id, control=self.address,
             transports={k.value: t.info() for k, t in self.transports.items()}, regions=regions))
@@ -151,12 +154,17 @@ class Agent:
     def connect(self, peer_metadata: bytes) -> str:
         """Connect to a peer (re-connecting refreshes its metadata); returns its name."""
         self._check_open()
-        md = md_codec.decode(peer_metadata)
+        md = md_codec.decode(peer_metadata, auth=self._auth)
         if md.agent_id == self.agent_id:
             raise InvalidArgumentError(f"agent {self.name!r} cannot connect to itself")
-        client = ControlClient(md.control, md.name, self.config.connect_timeout_s)
+        client = ControlClient(md.control, md.name, self.config.connect_timeout_s, auth=self._auth)
         deadline = time.monotonic() + self.config.connect_timeout_s
         reply, _ = client.request({"type": "hello", "from": self.name, "agent_id": self.agent_id}, deadline=deadline)
+        try:
+            raise_remote(reply, md.name)
+        except XferError:
+            client.close()
+            raise
         if reply.get("agent_id") != md.agent_id:
             client.close()
             raise MetadataError(f"stale metadata for {md.name!r}: {md.control[0]}:{md.control[1]} is served by "

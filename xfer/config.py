@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
 from .transports import TransportKind
@@ -65,6 +65,9 @@ class AgentConfig:
     max_notify_bytes: largest notification payload accepted.
     nvshmem: join this NVSHMEM group at construction (collective: blocks until all ranks join);
         None leaves the NVSHMEM transport off.
+    secret: the deployment's shared secret (>= 16 bytes; default: the XFER_SECRET environment
+        variable). With one, metadata and every control message are signed and checked
+        (HMAC-SHA256, replay-protected); peers without it are rejected. None and no variable: off.
     enable: start only these transports (None: every one that can run here). Each started
         transport costs threads and, for ucx, a listener; a disabled one is reported as such.
     """
@@ -78,6 +81,7 @@ class AgentConfig:
     max_notify_bytes: int = 1 << 16
     nvshmem: NvshmemGroup | None = None
     enable: tuple[TransportKind, ...] | None = None
+    secret: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("default_timeout_s", "connect_timeout_s"):

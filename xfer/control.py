@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from .errors import MetadataError, PeerDisconnectedError, TransferTimeoutError, XferError
+from .errors import AuthenticationError, MetadataError, PeerDisconnectedError, TransferTimeoutError, XferError
 
 __all__ = ["ControlServer", "ControlClient", "Handler"]
 
@@ -37,8 +37,8 @@ def _pack(header: dict, payload: bytes = b"") -> bytes:
 class ControlServer:
     """Accepts peers' connections and answers each request frame with ``handler``'s reply."""
 
-    def __init__(self, host: str, port: int, handler: Handler, *, max_payload: int):
-        self._handler, self._max_payload = handler, max_payload
+    def __init__(self, host: str, port: int, handler: Handler, *, max_payload: int, auth=None):
+        self._handler, self._max_payload, self._auth = handler, max_payload, auth
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
@@ -126,6 +126,15 @@ class ControlServer:
                 return
             payload = bytes(buf[_FRAME.size + hlen:end])
             del buf[:end]
+            if self._auth is not None:
+                try:
+                    self._auth.check(header, payload)
+                except AuthenticationError as exc:
+                    peer = conn.getpeername() if conn.fileno() >= 0 else "?"
+                    log.warning("control: rejected peer %s (%r): %s", peer, header.get("from"), exc)
+                    self._reply(conn, {"ok": False, "error": "AuthenticationError", "message": str(exc)}, b"")
+                    self._drop(conn)
+                    return
             try:
                 reply, rpayload = self._handler(header, payload)
             except XferError as exc:
@@ -133,21 +142,28 @@ class ControlServer:
             except Exception as exc:  # a handler bug must not kill the server thread
                 log.exception("control: handler failed on %s", header.get("type"))
                 reply, rpayload = {"ok": False, "error": "XferError", "message": repr(exc)}, b""
-            try:
-                conn.setblocking(True)
-                conn.settimeout(5.0)
-                conn.sendall(_pack(reply, rpayload))
-                conn.setblocking(False)
-            except OSError:
-                self._drop(conn)
+            if self._auth is not None:
+                reply = self._auth.stamp(reply, rpayload)
+            if not self._reply(conn, reply, rpayload):
                 return
+
+    def _reply(self, conn: socket.socket, reply: dict, payload: bytes) -> bool:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(5.0)
+            conn.sendall(_pack(reply, payload))
+            conn.setblocking(False)
+            return True
+        except OSError:
+            self._drop(conn)
+            return False
 
 
 class ControlClient:
     """One connection to a peer's control server; one request in flight at a time."""
 
-    def __init__(self, address: tuple[str, int], peer: str, connect_timeout: float):
-        self.address, self.peer, self._connect_timeout = address, peer, connect_timeout
+    def __init__(self, address: tuple[str, int], peer: str, connect_timeout: float, auth=None):
+        self.address, self.peer, self._connect_timeout, self._auth = address, peer, connect_timeout, auth
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -177,12 +193,22 @@ class ControlClient:
                     self._sock = socket.create_connection(self.address, timeout=left)
                     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._settimeout(deadline)
+                if self._auth is not None:
+                    header = self._auth.stamp(header, payload)
                 self._sock.sendall(_pack(header, payload))
                 hlen, plen = _FRAME.unpack(self._recv_exact(_FRAME.size, deadline))
                 if hlen > MAX_HEADER:
                     raise PeerDisconnectedError(f"peer {self.peer!r} sent a {hlen}-byte control header")
                 reply = json.loads(self._recv_exact(hlen, deadline))
-                return reply, self._recv_exact(plen, deadline)
+                rpayload = self._recv_exact(plen, deadline)
+                if self._auth is not None:
+                    if reply.get("error") == "AuthenticationError" and "mac" not in reply:
+                        raise AuthenticationError(f"peer {self.peer!r} rejected us: {reply.get('message')}")
+                    self._auth.check(reply, rpayload)
+                return reply, rpayload
+            except AuthenticationError:
+                self._reset()
+                raise
             except (socket.timeout, TimeoutError):
                 self._reset()  # a late reply would desynchronise the stream
                 raise TransferTimeoutError(

@@ -24,6 +24,7 @@ __all__ = [
     "TransferCancelledError",
     "StoreError",
     "StoreTimeoutError",
+    "AuthenticationError",
 ]
 
 
@@ -99,3 +100,7 @@ class StoreError(XferError):
 
 class StoreTimeoutError(StoreError, TimeoutError):
     """A key did not appear in the metadata store before the timeout."""
+
+
+class AuthenticationError(XferError):
+    """A peer, message or metadata failed shared-secret authentication (missing, wrong or replayed)."""

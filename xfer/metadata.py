@@ -55,8 +55,10 @@ class AgentMetadata:
         }
 
 
-def encode(md: AgentMetadata) -> bytes:
-    payload = json.dumps(md.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+def encode(md: AgentMetadata, auth=None) -> bytes:
+    """Wire form; with ``auth`` (an :class:`xfer.auth.Authenticator`) the payload is signed."""
+    d = md.to_dict() if auth is None else auth.sign_metadata(md.to_dict())
+    payload = json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
     return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
 
 
@@ -70,8 +72,9 @@ def _need(d: dict, key: str, kind, where: str):
     return value
 
 
-def decode(blob: bytes) -> AgentMetadata:
-    """Parse peer metadata; raises :class:`MetadataError` on anything truncated or malformed."""
+def decode(blob: bytes, auth=None) -> AgentMetadata:
+    """Parse peer metadata; raises :class:`MetadataError` on anything truncated or malformed,
+    and, with ``auth``, :class:`AuthenticationError` when it is unsigned or its MAC fails."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise MetadataError(f"metadata must be bytes, got {type(blob).__name__}")
     blob = bytes(blob)
@@ -93,6 +96,8 @@ def decode(blob: bytes) -> AgentMetadata:
         raise MetadataError(f"metadata payload is not JSON: {exc}") from None
     if not isinstance(d, dict):
         raise MetadataError(f"metadata payload must be an object, got {type(d).__name__}")
+    if auth is not None:
+        auth.check_metadata(d)
     control = _need(d, "control", list, "agent")
     if len(control) != 2 or not isinstance(control[0], str) or not isinstance(control[1], int) \
             or not 0 < control[1] < 65536:

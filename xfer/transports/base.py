@@ -88,6 +88,7 @@ class TransportContext:
     host_id: str
     config: AgentConfig
     log: logging.Logger
+    auth: object = None  # xfer.auth.Authenticator: sign (stamp) and check transport messages; None = off
     region: Callable = lambda name: None  # (str) -> LocalRegion | None
     deliver: Callable = lambda notification: None  # (Notification) -> None
 

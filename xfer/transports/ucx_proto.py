@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ..errors import (InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
+from ..errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
                       TransferCancelledError, TransferTimeoutError, XferError)
 from ..layout import KVLayout
 from ..transfer import Notification, Op, TransferState
@@ -98,6 +98,9 @@ class Protocol:
 
     # ---- control messages --------------------------------------------------------------------
     def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
+        if self.ctx.auth is not None:  # the MAC covers the header and the binary part (ids, payload)
+            binary = (b"" if ids is None else np.ascontiguousarray(ids, dtype="<i8").tobytes()) + payload
+            header = self.ctx.auth.stamp(header, binary)
         msg = wire.encode(kind, header, ids, payload)
         if conn.ready:
             self._send(conn, msg)
@@ -135,6 +138,12 @@ class Protocol:
             return
         try:
             kind, header, binary = wire.decode(buf)
+            if self.ctx.auth is not None:
+                self.ctx.auth.check(header, binary)
+        except AuthenticationError as exc:
+            self.ctx.log.warning("ucx: rejected peer %r at %s: %s", conn.name, conn.address or "?", exc)
+            self.e.conn_failed(conn, exc)
+            return
         except (XferError, ValueError) as exc:
             self.e.conn_failed(conn, PeerDisconnectedError(f"peer {conn.name!r} sent a bad control message: {exc}"))
             return
