@@ -281,3 +281,29 @@ def test_ucx_messages_are_authenticated():
         assert_untouched(lb, tb, [])
     finally:
         a.close(), b.close()
+
+
+def test_metrics_and_transfer_logs(caplog):
+    prometheus_client = pytest.importorskip("prometheus_client", reason="pip install -e '.[metrics]'")
+    a, b, _, _ = make_pair(None, None)
+    try:
+        peer = a.connect(b.metadata())
+        with caplog.at_level(logging.DEBUG, logger="xfer.transfer"):
+            t = a.write(peer, [0, 1], [2, 3])
+            t.wait()
+            b.deregister("kv")
+            bad = a.write(peer, [0], [0])
+            with pytest.raises(XferError):
+                bad.wait()
+        get = prometheus_client.REGISTRY.get_sample_value
+        labels = {"agent": "a", "op": "write", "path": "local"}
+        assert get("xfer_bytes_total", labels) >= t.nbytes
+        assert get("xfer_transfers_total", dict(labels, state="DONE")) >= 1
+        assert get("xfer_errors_total", dict(labels, error="NotRegisteredError")) >= 1
+        assert get("xfer_transfer_seconds_count", labels) >= 2
+        assert get("xfer_routes_total", {"agent": "a", "peer": "b", "path": "local"}) >= 1
+        lines = [r.getMessage() for r in caplog.records if r.name == "xfer.transfer"]
+        assert any(f"id={t.id}" in m and "state=DONE" in m for m in lines)
+        assert any(f"id={bad.id}" in m and "error=NotRegisteredError" in m for m in lines)
+    finally:
+        a.close(), b.close()

@@ -23,6 +23,7 @@ from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, Length
                      NotRegisteredError, PeerNotConnectedError, XferError, TransferTimeoutError, TransportUnavailableError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
+from .metrics import Metrics
 from .transfer import Notification, Op, Transfer, TransferState
 from .transports import PREFERENCE, TransportKind, load
 from .transports.notify import raise_remote
@@ -90,6 +91,7 @@ class Agent:
         self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
                                      max_payload=self.config.max_notify_bytes, auth=self._auth)
         self._host_id = ctx.host_id
+        self.metrics = Metrics(name)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -255,6 +257,7 @@ class Agent:
                 why = "pinned by config" if pinned is not None else (
                     f"first of {[k.value for k in PREFERENCE]} able to serve this pair")
                 sel = Selection(kind=kind, reason=why, rejected=rejected)
+                self.metrics.route(handle.name, kind.value)
                 log.info("xfer route %s:%s -> %s:%s (%s): %s", self.name, local.name, handle.name, record.name,
                          op.value, sel)
                 self._routes[key] = sel
@@ -304,6 +307,7 @@ class Agent:
             transfer = Transfer(peer=peer, op=op, num_blocks=int(src_ids.size),
                                 nbytes=int(src_ids.size) * local.layout.bytes_per_block,
                                 path=selection.kind.value, timeout=float(timeout))
+            transfer._observer = self.metrics.ended
             if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))

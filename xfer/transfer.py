@@ -52,7 +52,7 @@ class Transfer:
 
     __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "deadline", "created",
                  "finished", "_state", "_error", "_cancel_requested", "_cond", "_on_cancel",
-                 "_keepalive")
+                 "_keepalive", "_observer")
 
     def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
         self.id = f"{next(_ids):x}-{time.monotonic_ns() & 0xFFFFFFFF:08x}"
@@ -66,6 +66,7 @@ class Transfer:
         self._cond = threading.Condition()
         self._on_cancel = None
         self._keepalive = None
+        self._observer = None  # called once with the transfer when it ends (metrics, logs)
 
     def __repr__(self) -> str:
         return (f"Transfer(id={self.id}, {self.op.value} {self.num_blocks} blocks {self.nbytes} B "
@@ -149,6 +150,8 @@ class Transfer:
             self._cond.notify_all()
         if on_cancel is not None and state is not TransferState.DONE:
             on_cancel(self)
+        if self._observer is not None:
+            self._observer(self)
         return True
 
 
