@@ -88,6 +88,8 @@ def _peer_main(conn, name, kind, dims, seed, config, device="cpu"):
                 conn.send(("ok", n.peer, n.op.value, n.blocks.tolist(), n.payload))
             except Exception as exc:  # sent back to the test as data
                 conn.send(("error", type(exc).__name__, str(exc)))
+        elif cmd == "drain":
+            conn.send([(n.transfer_id, n.peer, n.op.value, n.blocks.tolist()) for n in agent.notifications()])
         elif cmd == "connect":
             conn.send(agent.connect(arg))
         elif cmd == "write":
