@@ -2,7 +2,8 @@
 processes for a few seconds while one peer is killed mid-round and replaced. Every transfer must
 end by its deadline (no hang); every DONE transfer's blocks must verify byte for byte on the peer;
 a peer must be notified of exactly the transfers reported DONE (nothing half-written reported
-complete). ``XFER_SOAK_SECONDS`` lengthens it (the opt-in long run)."""
+complete). ``XFER_SOAK_SECONDS`` and ``XFER_SOAK_CONCURRENCY`` make it the opt-in long run
+(e.g. 60 s with 1000 transfers in flight)."""
 
 import os
 import random
@@ -19,19 +20,21 @@ from xfer.bench.target import block_digests
 from xfer.errors import XferError
 
 KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
-DIMS = dict(num_layers=8, num_blocks=128, block_size=4, num_heads=2, head_dim=16)
+DIMS = dict(num_layers=8, num_blocks=1536, block_size=2, num_heads=1, head_dim=16)
 SECONDS = float(os.environ.get("XFER_SOAK_SECONDS", "8"))
+# transfers in flight at once across the three peers (the opt-in long run: 1000 and 60 s)
+CONCURRENCY = int(os.environ.get("XFER_SOAK_CONCURRENCY", "120"))
 DEADLINE = 5.0
 
 
-def post_round(agent, rng, peer_names, per_peer=8):
+def post_round(agent, rng, peer_names, per_peer):
     """Up to ``per_peer`` transfers per peer, each to a disjoint random range of blocks."""
     posted = []
     for name in peer_names:
         cuts = sorted(rng.sample(range(1, DIMS["num_blocks"]), per_peer))
         starts = [0] + cuts
         for lo, hi in zip(starts, cuts + [DIMS["num_blocks"]]):
-            n = rng.randint(1, min(16, hi - lo))
+            n = rng.randint(1, min(8, hi - lo))
             dst = list(range(lo, lo + n))
             src = [rng.randrange(DIMS["num_blocks"]) for _ in range(n)]
             posted.append((name, src, dst, agent.write(name, src, dst, timeout=DEADLINE)))
@@ -59,7 +62,7 @@ def test_soak_mixed_transfers_with_a_peer_killed_and_replaced():
                 killed = "d1"
                 threading.Timer(0.002, peers[killed].kill).start()
                 stats["faults"] += 1
-            posted = post_round(agent, rng, list(peers))
+            posted = post_round(agent, rng, list(peers), max(1, CONCURRENCY // len(peers)))
             stats["tried"] += len(posted)
             t_end = time.monotonic() + DEADLINE + 2.0
             for _, _, _, t in posted:
