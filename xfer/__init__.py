@@ -3,18 +3,33 @@
     from xfer import Agent, KVLayout
     agent = Agent("decode-0"); agent.register("kv", tensors, KVLayout.vllm_flash_attn(tensors))
 
-Importing xfer loads torch and numpy only; transports and kernels load on first use.
+Importing xfer is cheap: the error hierarchy loads at once, everything else (and torch) on first
+use of a name; transports and kernels load when a transfer needs them.
 """
 
-from .agent import Agent
-from .config import AgentConfig
+import importlib
+
 from .errors import *  # noqa: F401,F403  (the exception hierarchy is part of the API)
 from .errors import __all__ as _errors_all
-from .layout import KVLayout, LayoutKind, make_kv_cache
-from .shm import shared_empty
-from .transfer import Notification, Op, Transfer, TransferState
-from .transports import TransportKind
 
 __version__ = "0.1.0"
-__all__ = ["Agent", "AgentConfig", "KVLayout", "LayoutKind", "make_kv_cache", "shared_empty", "Transfer",
-           "TransferState", "Notification", "Op", "TransportKind", *_errors_all]
+
+_LAZY = {
+    "Agent": "agent", "AgentConfig": "config", "NvshmemGroup": "config", "KVLayout": "layout",
+    "LayoutKind": "layout", "make_kv_cache": "layout", "shared_empty": "shm", "Transfer": "transfer",
+    "TransferState": "transfer", "Notification": "transfer", "Op": "transfer", "TransportKind": "transports",
+}
+__all__ = [*_LAZY, *_errors_all]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
