@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|all]...   (default: all)
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|engine|all]...   (default: all)
+# Carry the wheels (.whl/: nvshmem4py-cu13, ucxx-cu13 and its libs; see the device notes) for the
+# nvshmem and ucx parts; without them those tests skip with the reason.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -35,7 +37,12 @@ for step in $what; do
     kernels|all)
       python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ipc|all)
-      python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+      python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    nvshmem|all)
+      python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    engine|all)
+      python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
+        | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
 exit $rc
