@@ -1,5 +1,5 @@
 """xfer's SGLang transfer backend with SGLang's real base classes (opt-in: needs SGLang installed,
-see engine/README_SNIPPET.md). The harness replays SGLang's call order: bootstrap server, managers
+see README.md, "Running the engine tests"). The harness replays SGLang's call order: bootstrap server, managers
 (prefill registers to bootstrap), receiver ``init`` / ``send_metadata``, sender ``init`` / chunked
 ``send``, both polled to ``KVPoll.Success``; decode pages and aux rows are checked byte for byte."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed (opt-in engine tests: see engine/README_SNIPPET.md)")
+pytest.importorskip("sglang", reason="SGLang is not installed (opt-in engine tests: see README.md, "Running the engine tests")")
 conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="SGLang's disaggregation base is missing")
 
 from dropin_harness import run_sglang_failure, run_sglang_pd  # noqa: E402

@@ -1,4 +1,4 @@
-"""XferConnector inside real vLLM (opt-in: needs vLLM installed, see engine/README_SNIPPET.md).
+"""XferConnector inside real vLLM (opt-in: needs vLLM installed, see README.md, "Running the engine tests").
 
 vLLM's own v1 ``Scheduler`` (on CPU) drives the connector's scheduler side for a prefill -> decode
 request; the worker side is driven in vLLM's call order (``_get_kv_connector_output``) on the KV
@@ -15,7 +15,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is a local config.json: never ask the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in engine tests: see engine/README_SNIPPET.md)")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in engine tests: see README.md, "Running the engine tests")")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402
