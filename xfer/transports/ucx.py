@@ -13,7 +13,10 @@ that checks the peer's identity; each transfer starts with a request the receivi
 validates (region, layout fingerprint, block ids) before any data moves, and ends when the
 receiving side has landed every byte, delivered its notification and acknowledged. Deadlines
 bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
-receiving side never delivers a notification for a dropped transfer. Wire format: ucx_wire.py;
+receiving side never delivers a notification for a transfer it dropped. Known gap: when every
+byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap), the
+peer has been notified while the initiator reports TIMED_OUT; the late acknowledgement is logged
+as a warning. Wire format: ucx_wire.py;
 progress model: ucx_engine.py.
 
 Settings: :class:`~xfer.transports.ucx_wire.UcxSettings` (``XFER_UCX_*`` environment variables);

@@ -155,6 +155,10 @@ class Protocol:
             (kind is wire.Kind.CANCEL and not header.get("init"))
         flow = self.e._flows.get(header.get("k")) if init_side else self.e._targets.get((conn.local_id, header.get("k")))
         if flow is None or flow.dead or flow.conn is not conn:
+            if kind is wire.Kind.ACK:  # the peer delivered a transfer we already ended (deadline): say so
+                self.ctx.log.warning("ucx: peer %r acknowledged transfer k=%s after it had ended here; the peer "
+                                     "may hold and have been notified of blocks reported failed", conn.name,
+                                     header.get("k"))
             return  # late message of a dropped transfer
         if kind is wire.Kind.ACCEPT:
             flow.on_accept(int(header.get("xid", 0)))
