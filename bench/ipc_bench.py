@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 
-def _median_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
+def median_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
     for _ in range(warmup):
         fn()
     times = []
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
                 raise SystemExit("ipc bench: destination bytes differ from the source; refusing to time")
             a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            ceil_ms, _ = _median_ms(lambda: b.copy_(a), args.iters)
+            ceil_ms, _ = median_ms(lambda: b.copy_(a), args.iters)
             rows.append({"name": "contiguous device copy (ceiling)", "ms": ceil_ms, "p99_ms": ceil_ms})
 
             def one():
@@ -84,14 +84,14 @@ def main(argv=None) -> dict:
             def pull():
                 agent.read(peer, dst, src).wait()
 
-            ms, p99 = _median_ms(one, args.iters)
+            ms, p99 = median_ms(one, args.iters)
             rows.append({"name": "xfer write, one request end to end", "ms": ms, "p99_ms": p99})
-            ms, p99 = _median_ms(burst, max(3, args.iters // 4))
+            ms, p99 = median_ms(burst, max(3, args.iters // 4))
             rows.append({"name": "xfer write, 8 back to back (per request)", "ms": ms / 8, "p99_ms": p99 / 8})
-            ms, p99 = _median_ms(pull, args.iters)
+            ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
-            lat_ms, lat_p99 = _median_ms(lambda: agent.write(peer, [5], [7]).wait(), args.iters)
+            lat_ms, lat_p99 = median_ms(lambda: agent.write(peer, [5], [7]).wait(), args.iters)
             post = []
             for _ in range(args.iters):
                 t0 = time.perf_counter()

@@ -19,29 +19,16 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
-import time
 import traceback
 
 import numpy as np
 import torch
 
+from xfer.bench.ipc_bench import median_ms
+
 KIND = "vllm_flash_attn_nhd"
 DIMS = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # bf16: 32 KiB slices
 POISON = 0xA5
-
-
-def _median_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), float(np.percentile(times, 99))
 
 
 def _caches(tr, memory: str, device, seed):
@@ -167,7 +154,7 @@ def _run_paths(agent, tr, decode, dev, src, dst, iters, rows, paths):
         if not rows:
             a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            ceil_ms, _ = _median_ms(lambda a=a, b=b: b.copy_(a), iters)
+            ceil_ms, _ = median_ms(lambda a=a, b=b: b.copy_(a), iters)
             rows.append({"name": "contiguous device copy (ceiling)", "ms": ceil_ms, "p99_ms": ceil_ms})
             del a, b
 
@@ -183,10 +170,10 @@ def _run_paths(agent, tr, decode, dev, src, dst, iters, rows, paths):
         for name, fn, div in ((f"{path}: write, one request end to end", one, 1),
                               (f"{path}: write, 8 back to back (per request)", burst, 8),
                               (f"{path}: read (pull), one request", lambda: one("read"), 1)):
-            ms, p99 = _median_ms(fn, max(3, iters // div))
+            ms, p99 = median_ms(fn, max(3, iters // div))
             rows.append({"name": name, "ms": ms / div, "p99_ms": p99 / div})
         decode.call("drain")
-        lat, lat99 = _median_ms(lambda region=region, peer=peer: agent.write(
+        lat, lat99 = median_ms(lambda region=region, peer=peer: agent.write(
             peer, [5], [7], region=region, peer_region=region, timeout=60).wait(), iters)
         paths[path]["one_block_request_ms"] = {"p50": lat, "p99": lat99}
         decode.call("drain")

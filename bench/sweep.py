@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from xfer.agent import host_id  # noqa: F401  (the agent's rule; re-exported for the bench modules)
 
 from xfer import Agent, AgentConfig, TransportKind, make_kv_cache
 from xfer.errors import PeerDisconnectedError, TransportUnavailableError, XferError
@@ -55,16 +56,6 @@ class Plan:
     @property
     def steps(self) -> int:
         return len(self.workloads) * (3 * len(self.transports) * len(self.chunks) + 4)
-
-
-def host_id() -> str:
-    """Same rule as the agent's: a host is its name and its boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 @contextlib.contextmanager

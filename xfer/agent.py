@@ -34,7 +34,8 @@ __all__ = ["Agent"]
 log = logging.getLogger("xfer.agent")
 
 
-def _host_id() -> str:
+def host_id() -> str:
+    """This host's identity for 'same host' decisions: its name and its boot id."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -71,7 +72,7 @@ class Agent:
         self._notes_cond = threading.Condition()
         secret = secret_from(self.config.secret)
         self._auth = Authenticator(secret) if secret is not None else None
-        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=_host_id(), config=self.config,
+        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=host_id(), config=self.config,
                                log=log, auth=self._auth, region=self._regions.get, deliver=self._deliver)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
