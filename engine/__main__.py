@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
+
+# the router and workers poll the store with short waits; c10d logs each expiry as a warning
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from .config import PRESETS, PoolSpec, WaitMode
 from .metrics import summarize

@@ -25,6 +25,8 @@ UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_
 
 from __future__ import annotations
 
+import os
+
 import socket
 
 from ..errors import PeerDisconnectedError, TransportError
@@ -38,6 +40,8 @@ __all__ = ["UcxTransport", "UcxSettings"]
 
 
 def _import_ucxx():
+    # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: UCX would warn on every start
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx._lib.libucxx as libucxx  # noqa: F401  (the synchronous core API)
     from ucxx._lib.arr import Array
 
