@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed (opt-in engine tests: see README.md, "Running the engine tests")")
+pytest.importorskip("sglang", reason="SGLang is not installed (opt-in engine tests: see the README section Running the engine tests)")
 conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="SGLang's disaggregation base is missing")
 
 from dropin_harness import run_sglang_failure, run_sglang_pd  # noqa: E402

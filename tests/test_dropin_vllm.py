@@ -15,7 +15,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is a local config.json: never ask the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in engine tests: see README.md, "Running the engine tests")")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in engine tests: see the README section Running the engine tests)")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402
