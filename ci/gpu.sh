@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|engine|all]...   (default: all)
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|xferbench|engine|all]...   (default: all)
+# Each step runs under its own time limit (XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
+# test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
+# written is also packed into $OUT/gpu-out.tgz (the device tool returns at most 8 files).
 # Carry the wheels (.whl/: nvshmem4py-cu13, ucxx-cu13 and its libs; see the device notes) for the
 # nvshmem and ucx parts; without them those tests skip with the reason.
 set -uo pipefail
@@ -29,20 +32,31 @@ fi
 } | tee "$OUT/env.txt"
 
 what=${*:-all}
+step_s=${XFER_GPU_STEP_S:-300}
 rc=0
+run_step() { timeout -k 10 "$step_s" "$@"; }
 for step in $what; do
   case $step in
     tests|all)
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step python3 -m pytest -m gpu -q -p no:cacheprovider --timeout "${XFER_GPU_TEST_S:-120}" -rs ${XFER_GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     kernels|all)
-      python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ipc|all)
-      python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     nvshmem|all)
-      python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    xferbench|all)
+      # the main job on device memory, every transport pinned in turn (ucx: device memory between processes)
+      run_step python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
+        --out "$OUT/xfer-bench" --no-plots --quiet --json >"$OUT/xfer-bench.json" 2>"$OUT/xfer-bench.log"
+      rc=$((rc | $?)); tail -40 "$OUT/xfer-bench.log" ;;&
     engine|all)
-      python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
+      run_step python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
         | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
+if [ -n "${XFER_GPU_BUNDLE:-}" ]; then
+  tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
+  find "$OUT" -mindepth 1 ! -name gpu-out.tgz ! -name pytest-gpu.log ! -name env.txt -delete
+fi
 exit $rc
