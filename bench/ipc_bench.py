@@ -73,8 +73,18 @@ def main(argv=None) -> dict:
             ceil_ms, _ = median_ms(lambda: b.copy_(a), args.iters)
             rows.append({"name": "contiguous device copy (ceiling)", "ms": ceil_ms, "p99_ms": ceil_ms})
 
+            from xfer.kernels import copy_blocks
+
+            local2, _ = make_kv_cache(kind, device=dev, **dims)
+            ms, p99 = median_ms(lambda: copy_blocks(layout, tensors, src, layout, local2, dst), args.iters)
+            rows.append({"name": "copy_blocks in one process (the kernel + its host call)", "ms": ms, "p99_ms": p99})
+            del local2
+            timelines = []
+
             def one():
-                agent.write(peer, src, dst).wait()
+                t = agent.write(peer, src, dst)
+                t.wait()
+                timelines.append(t.timeline())
 
             def burst(k=8):
                 ts = [agent.write(peer, src, dst) for _ in range(k)]
@@ -86,6 +96,8 @@ def main(argv=None) -> dict:
 
             ms, p99 = median_ms(one, args.iters)
             rows.append({"name": "xfer write, one request end to end", "ms": ms, "p99_ms": p99})
+            phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in timelines)
+                      for k in timelines[-1]}
             ms, p99 = median_ms(burst, max(3, args.iters // 4))
             rows.append({"name": "xfer write, 8 back to back (per request)", "ms": ms / 8, "p99_ms": p99 / 8})
             ms, p99 = median_ms(pull, args.iters)
@@ -114,6 +126,7 @@ def main(argv=None) -> dict:
         "one_block_request": {"slices": layout.num_slots, "bytes": layout.bytes_per_block,
                               "p50_ms": lat_ms, "p99_ms": lat_p99},
         "post_us_median": statistics.median(post),
+        "write_timeline_ms": phases,
     }
     print(f"ipc bench on {res['device']}: {res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB, route {route}")
     print(f"{'what':<44}{'ms':>9}{'p99 ms':>9}{'GB/s':>9}{'x ceiling':>11}")
@@ -121,6 +134,8 @@ def main(argv=None) -> dict:
         print(f"{r['name']:<44}{r['ms']:>9.3f}{r['p99_ms']:>9.3f}{r['gb_per_s']:>9.0f}{r['ratio_to_ceiling']:>11.3f}")
     print(f"1-block request across all layers ({layout.num_slots} slices): p50 {lat_ms:.3f} ms, p99 {lat_p99:.3f} ms")
     print(f"host time to post the 16,384-slice write: {res['post_us_median']:.0f} us (median)")
+    print("one write, median ms from the call to each phase: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -2,7 +2,8 @@
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
 # Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|xferbench|engine|all]...   (default: all)
-# Each step runs under its own time limit (XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
+# Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _NVSHMEM, _XFERBENCH,
+# _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
 # written is also packed into $OUT/gpu-out.tgz (the device tool returns at most 8 files).
 # Carry the wheels (.whl/: nvshmem4py-cu13, ucxx-cu13 and its libs; see the device notes) for the
@@ -34,24 +35,27 @@ fi
 what=${*:-all}
 step_s=${XFER_GPU_STEP_S:-300}
 rc=0
-run_step() { timeout -k 10 "$step_s" "$@"; }
+run_step() {  # run_step NAME CMD...: NAME's limit is XFER_GPU_S_NAME, else XFER_GPU_STEP_S
+  local var="XFER_GPU_S_$1"; shift
+  timeout -k 10 "${!var:-$step_s}" "$@"
+}
 for step in $what; do
   case $step in
     tests|all)
-      run_step python3 -m pytest -m gpu -q -p no:cacheprovider --timeout "${XFER_GPU_TEST_S:-120}" -rs ${XFER_GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step TESTS python3 -m pytest -m gpu -v -p no:cacheprovider --timeout-method=thread --timeout "${XFER_GPU_TEST_S:-120}" -rs ${XFER_GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     kernels|all)
-      run_step python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step KERNELS python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ipc|all)
-      run_step python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step IPC python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     nvshmem|all)
-      run_step python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     xferbench|all)
       # the main job on device memory, every transport pinned in turn (ucx: device memory between processes)
-      run_step python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
+      run_step XFERBENCH python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
         --out "$OUT/xfer-bench" --no-plots --quiet --json >"$OUT/xfer-bench.json" 2>"$OUT/xfer-bench.log"
       rc=$((rc | $?)); tail -40 "$OUT/xfer-bench.log" ;;&
     engine|all)
-      run_step python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
+      run_step ENGINE python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
         | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done

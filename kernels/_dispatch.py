@@ -125,7 +125,8 @@ class _KeepAliveEvent(torch.cuda.Event):
 def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_ids,
                 dst_layout: KVLayout, dst_tensors: Sequence[torch.Tensor], dst_ids, *,
                 stream: torch.cuda.Stream | None = None,
-                wait_event: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+                wait_event: torch.cuda.Event | None = None,
+                record_stream: bool = True) -> torch.cuda.Event | None:
     """Copy blocks ``src_ids`` of the source cache onto blocks ``dst_ids`` of the destination.
 
     Every slot (all layers, K and V) moves in one kernel launch, converting between physical
@@ -139,7 +140,8 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     call returns an event recorded after it, which also holds every tensor of the copy until it is
     dropped: keep it (or the tensors) until it has completed; pinned host tensors are held by
     nothing else. With an explicit side ``stream`` the CUDA tensors are also ``record_stream``-ed
-    on it. On the CPU paths the copy is done on return (after ``wait_event.synchronize()``) and
+    on it, unless ``record_stream=False`` (a caller that holds the event until it completed: one
+    ``record_stream`` per tensor costs microseconds, hundreds of tensors a call add up). On the CPU paths the copy is done on return (after ``wait_event.synchronize()``) and
     the call returns ``None``.
     """
     s_ids, d_ids = check_ids(src_layout, src_ids, dst_layout, dst_ids)
@@ -167,7 +169,7 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
             plan.launch()
         event = _KeepAliveEvent()
         event.record(stream)
-    if stream != torch.cuda.current_stream(stream.device):
+    if record_stream and stream != torch.cuda.current_stream(stream.device):
         seen = set()
         for t in (*src.tensors, *dst.tensors):
             if t.is_cuda and t.untyped_storage().data_ptr() not in seen:

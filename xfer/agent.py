@@ -313,8 +313,12 @@ class Agent:
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))
             self._inflight.add(transfer)
+        ready = None
+        if local.device.type == "cuda":  # order after what the caller queued on its stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(local.device))
         transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
-                           local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify)))
+                           local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify), ready=ready))
         return transfer
 
     def send(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:

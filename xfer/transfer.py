@@ -52,7 +52,7 @@ class Transfer:
 
     __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "deadline", "created",
                  "finished", "_state", "_error", "_cancel_requested", "_cond", "_on_cancel",
-                 "_keepalive", "_observer")
+                 "_keepalive", "_observer", "marks")
 
     def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
         self.id = f"{next(_ids):x}-{time.monotonic_ns() & 0xFFFFFFFF:08x}"
@@ -67,6 +67,7 @@ class Transfer:
         self._on_cancel = None
         self._keepalive = None
         self._observer = None  # called once with the transfer when it ends (metrics, logs)
+        self.marks: list[tuple[str, float]] = []  # (phase, time.monotonic()) the transport reached
 
     def __repr__(self) -> str:
         return (f"Transfer(id={self.id}, {self.op.value} {self.num_blocks} blocks {self.nbytes} B "
@@ -90,6 +91,17 @@ class Transfer:
     @property
     def elapsed(self) -> float:
         return (self.finished or time.monotonic()) - self.created
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds from ``created`` to each phase the transport marked (e.g. ``started``,
+        ``launched``, ``copied``, ``acked``) and to ``finished``: where a transfer's time went."""
+        out = {name: t - self.created for name, t in self.marks}
+        if self.finished is not None:
+            out["finished"] = self.finished - self.created
+        return out
+
+    def _mark(self, phase: str) -> None:
+        self.marks.append((phase, time.monotonic()))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until DONE; raise the transfer's typed error otherwise.

@@ -49,7 +49,10 @@ class Job:
     """One validated transfer for a transport to carry out.
 
     ``local_ids`` / ``peer_ids``: int64 block ids, equal length; for a WRITE the local blocks
-    are the source, for a READ the destination.
+    are the source, for a READ the destination. ``ready``: for a CUDA local region, an event
+    recorded on the caller's current stream when the transfer was posted; a transport makes its
+    first access to the local blocks wait for it, so a transfer sees everything the caller queued
+    before it (the KV a forward pass just wrote) without the caller synchronising.
     """
 
     transfer: Transfer
@@ -60,6 +63,7 @@ class Job:
     local_ids: np.ndarray
     peer_ids: np.ndarray
     notify: bytes = b""
+    ready: object = None  # torch.cuda.Event | None
 
 
 @dataclass(frozen=True)

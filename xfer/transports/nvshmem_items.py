@@ -43,6 +43,9 @@ def _send_chunk(lane, item, k: int):
     nbytes = (end - start) * item.layout.bytes_per_block
     if s - rt.plan.depth >= 1:
         rt.wait_credit(lane.stream, lane.peer, lane.role, s - rt.plan.depth)
+    ready = getattr(getattr(item, "job", None), "ready", None)
+    if k == 0 and ready is not None:  # the caller's stream had queued the KV this gathers
+        lane.stream.wait_event(ready)
     keep = rt.gather(lane.stream, item.layout, item.tensors, item.ids[start:end], lane.peer, lane.role, s, nbytes)
     rt.put_signal(lane.stream, lane.peer, lane.role, s, nbytes)
     return keep

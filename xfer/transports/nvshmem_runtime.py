@@ -52,6 +52,36 @@ _spoiled: str | None = None  # why NVSHMEM cannot be initialised again in this p
 _abandoned: list = []  # symmetric tensors of a runtime whose teardown was skipped: never freed implicitly
 
 
+_LIMITED_MPG = 3  # NVSHMEM_STATUS_LIMITED_MPG: several PEs share one GPU without MPS
+
+
+def _limited_mpg_wait(name: str, value: int):
+    """In limited MPG mode (PEs sharing a GPU without MPS) NVSHMEM refuses its on-stream waits and
+    *exits the process* ("Called NVSHMEM API not supported with limited MPG runs"), while puts and
+    signal ops still work. There the lanes wait on their signal words with the CUDA driver's own
+    stream memory operation, ``cuStreamWaitValue64`` (GEQ), which is what NVSHMEM itself issues
+    for ``signal_wait_until_on_stream`` when it can: the signal words are in this PE's memory and
+    the puts that set them come over peer mappings on one GPU, so no remote-write flush is needed.
+    Returns ``wait(stream_handle, addr, value)``, or None outside limited MPG."""
+    if "LIMITED_MPG" not in name and value != _LIMITED_MPG:
+        return None
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        raise TransportUnavailableError("NVSHMEM runs in limited MPG mode (several PEs on one GPU, no MPS); its "
+                                        "on-stream waits are unavailable there and the replacement needs "
+                                        "cuda-bindings (pip install cuda-bindings)") from None
+    geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+    def wait(stream_handle: int, addr: int, value: int) -> None:
+        (err,) = cu.cuStreamWaitValue64(cu.CUstream(stream_handle), cu.CUdeviceptr(addr), value, geq)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise TransportError(f"cuStreamWaitValue64 on 0x{addr:x} >= {value} failed: {err!r}")
+
+    log.info("NVSHMEM in limited MPG mode: signal waits use cuStreamWaitValue64")
+    return wait
+
+
 def _same_group(a, b) -> bool:
     keys = ("store", "name", "rank", "size", "device", "staging_bytes")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
@@ -125,6 +155,7 @@ class Runtime:
         self.plan = StagingPlan(group.size, group.staging_bytes)
         self.lock = threading.RLock()
         self.session, self.status = "", "unknown"
+        self._stream_wait = None  # set when NVSHMEM runs in limited MPG mode (see _limited_mpg_wait)
         self.teardown = "open"  # then "finalized: why" or "skipped: why"
         self._tensors: list[torch.Tensor] = []  # from nvshmem.core.tensor, in allocation order
         self._externals: list[torch.Tensor] = []  # register_external aliases, in registration order
@@ -205,6 +236,7 @@ class Runtime:
             self.status = nvc.InitStatus(status).name  # e.g. STATUS_LIMITED_MPG: several PEs share a GPU
         except ValueError:
             self.status = str(status)
+        self._stream_wait = _limited_mpg_wait(self.status, status)
         if g.rank == 0:
             try:  # every PE has read it (init is collective); a later group must not read a stale id
                 self.store.delete(bootstrap.uid_key(g))
@@ -281,6 +313,9 @@ class Runtime:
                                               stream.cuda_stream)
 
     def _wait(self, stream, addr: int, value: int) -> None:
+        if self._stream_wait is not None:  # limited MPG: NVSHMEM exits the process on its own wait
+            self._stream_wait(stream.cuda_stream, addr, value)
+            return
         with self.lock:
             self._nvb.signal_wait_until_on_stream(addr, self._GE, value, stream.cuda_stream)
 

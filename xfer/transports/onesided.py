@@ -97,8 +97,11 @@ class OneSidedTransport(Transport):
             if job.transfer.poll().terminal:
                 continue
             job.transfer._start()
+            job.transfer._mark("started")
             try:
-                self._done.put((job, self._launch(job)))
+                event = self._launch(job)
+                job.transfer._mark("launched")
+                self._done.put((job, event))
             except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
                 self._fail(job, exc)
 
@@ -119,7 +122,9 @@ class OneSidedTransport(Transport):
                         time.sleep(20e-6)
                 if t.cancel_requested:
                     raise t.error
+                t._mark("copied")
                 notify_peer(job, self.ctx.agent_name)
+                t._mark("acked")
                 t._finish(TransferState.DONE)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(job, exc)
@@ -144,9 +149,12 @@ class OneSidedTransport(Transport):
         else:
             src, src_t, src_ids, dst, dst_t, dst_ids = rec.layout, peer_tensors, job.peer_ids, local.layout, \
                 local.tensors, job.local_ids
-        per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
         stream = self.stream(job)
-        event = None
+        if stream is None:  # copies on this thread: chunks let cancel, deadline and peer death stop it
+            per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
+        else:  # queued on a stream, a copy runs on regardless: one launch moves every block
+            per_chunk = max(1, len(src_ids))
+        event, ready = None, job.ready
         for start in range(0, len(src_ids), per_chunk):
             if t.cancel_requested:
                 if event is not None:
@@ -154,5 +162,9 @@ class OneSidedTransport(Transport):
                 raise t.error
             self._check_alive(job)
             end = start + per_chunk
-            event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream)
+            # the completer holds the event (and through it every tensor) until the copy ended:
+            # no record_stream per call
+            event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream,
+                                wait_event=ready, record_stream=False)
+            ready = None
         return event
