@@ -43,6 +43,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--peer-device", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print where copy_blocks spends its host time")
     args = p.parse_args(argv)
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
@@ -78,6 +79,23 @@ def main(argv=None) -> dict:
             local2, _ = make_kv_cache(kind, device=dev, **dims)
             ms, p99 = median_ms(lambda: copy_blocks(layout, tensors, src, layout, local2, dst), args.iters)
             rows.append({"name": "copy_blocks in one process (the kernel + its host call)", "ms": ms, "p99_ms": p99})
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                copy_blocks(layout, tensors, src, layout, local2, dst)
+            host_us = 1e6 * (time.perf_counter() - t0) / args.iters
+            torch.cuda.synchronize()
+            print(f"copy_blocks host time per call (queued back to back): {host_us:.0f} us")
+            if args.profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(50):
+                    copy_blocks(layout, tensors, src, layout, local2, dst)
+                prof.disable()
+                torch.cuda.synchronize()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
             del local2
             timelines = []
 

@@ -46,7 +46,7 @@ for step in $what; do
     kernels|all)
       run_step KERNELS python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ipc|all)
-      run_step IPC python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      run_step IPC python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" ${XFER_IPC_ARGS:-} 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     nvshmem|all)
       run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     xferbench|all)

@@ -96,21 +96,31 @@ _MAX_SIDES = 32
 
 def _side(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> _Side:
     """Check a side once per (layout, tensor objects): ``check_tensors`` over 100+ tensors costs
-    ~0.5 ms; a repeat call only confirms the same live tensors at the same addresses."""
+    ~0.5 ms; a repeat call only confirms the same tensors still sit at the same addresses.
+
+    A cached side holds weak references whose callbacks drop it the moment any of its tensors
+    dies, so a key hit (layout, ids of the tensor objects) names the very same live objects: ids
+    are unique among live objects."""
     tensors = list(tensors)
     key = (layout, tuple(map(id, tensors)))
-    with _SIDES_LOCK:
-        side = _SIDES.get(key)
-    if side is not None and all(r() is t for r, t in zip(side.refs, tensors)) and \
-            side.ptrs == [t.data_ptr() for t in tensors]:
+    side = _SIDES.get(key)
+    if side is not None and side.ptrs == [t.data_ptr() for t in tensors]:
         return side
     side = _Side(layout, tensors)
     if len(tensors) > 2:  # caches, not per-call staging buffers
+        forget = functools.partial(_forget_side, key)
+        side.refs = [weakref.ref(t, forget) for t in tensors]
         with _SIDES_LOCK:
             _SIDES[key] = side
             if len(_SIDES) > _MAX_SIDES:
                 _SIDES.popitem(last=False)  # the oldest checked (a hit does not refresh it: cheap enough)
     return side
+
+
+def _forget_side(key, _ref) -> None:
+    # a weakref callback may run inside any allocation, even one made under _SIDES_LOCK: no lock
+    # here (a dict pop is atomic under the GIL)
+    _SIDES.pop(key, None)
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -178,6 +179,8 @@ def wait_until(cond, timeout: float, what: str) -> None:
 def netns_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the `ip` tool (iproute2) is not installed"
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"`ip netns` does not work here: {probe.stderr.strip() or probe.returncode}"

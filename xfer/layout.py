@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 import numpy as np
@@ -105,6 +105,18 @@ class KVLayout:
     slot_tensor: tuple[int, ...]
     slot_offset: tuple[int, ...]
     tensor_numel: tuple[int, ...]
+
+    def __hash__(self) -> int:
+        # computed once: a layout keys several per-call caches (kernel geometry, checked sides),
+        # and hashing its 3 slot tables on every copy costs more than the lookups it serves
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self):  # the cached hash must not travel: str hashes differ between processes
+        return self.__class__, tuple(getattr(self, f.name) for f in fields(self))
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv", "num_blocks", "block_size", "num_heads", "head_dim"):

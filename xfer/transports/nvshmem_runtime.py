@@ -37,6 +37,7 @@ from ..errors import InvalidArgumentError, StoreError, TransportError, Transport
 from ..store import open_store
 from . import nvshmem_bootstrap as bootstrap
 from .nvshmem_lanes import Lanes
+from .nvshmem_mpg import MpgOps, is_limited_mpg
 from .nvshmem_proto import StagingPlan
 
 __all__ = ["Runtime", "acquire", "release", "CLOSE_TIMEOUT_S"]
@@ -50,36 +51,6 @@ _current: Runtime | None = None
 _refs = 0
 _spoiled: str | None = None  # why NVSHMEM cannot be initialised again in this process
 _abandoned: list = []  # symmetric tensors of a runtime whose teardown was skipped: never freed implicitly
-
-
-_LIMITED_MPG = 3  # NVSHMEM_STATUS_LIMITED_MPG: several PEs share one GPU without MPS
-
-
-def _limited_mpg_wait(name: str, value: int):
-    """In limited MPG mode (PEs sharing a GPU without MPS) NVSHMEM refuses its on-stream waits and
-    *exits the process* ("Called NVSHMEM API not supported with limited MPG runs"), while puts and
-    signal ops still work. There the lanes wait on their signal words with the CUDA driver's own
-    stream memory operation, ``cuStreamWaitValue64`` (GEQ), which is what NVSHMEM itself issues
-    for ``signal_wait_until_on_stream`` when it can: the signal words are in this PE's memory and
-    the puts that set them come over peer mappings on one GPU, so no remote-write flush is needed.
-    Returns ``wait(stream_handle, addr, value)``, or None outside limited MPG."""
-    if "LIMITED_MPG" not in name and value != _LIMITED_MPG:
-        return None
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        raise TransportUnavailableError("NVSHMEM runs in limited MPG mode (several PEs on one GPU, no MPS); its "
-                                        "on-stream waits are unavailable there and the replacement needs "
-                                        "cuda-bindings (pip install cuda-bindings)") from None
-    geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-
-    def wait(stream_handle: int, addr: int, value: int) -> None:
-        (err,) = cu.cuStreamWaitValue64(cu.CUstream(stream_handle), cu.CUdeviceptr(addr), value, geq)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise TransportError(f"cuStreamWaitValue64 on 0x{addr:x} >= {value} failed: {err!r}")
-
-    log.info("NVSHMEM in limited MPG mode: signal waits use cuStreamWaitValue64")
-    return wait
 
 
 def _same_group(a, b) -> bool:
@@ -155,7 +126,8 @@ class Runtime:
         self.plan = StagingPlan(group.size, group.staging_bytes)
         self.lock = threading.RLock()
         self.session, self.status = "", "unknown"
-        self._stream_wait = None  # set when NVSHMEM runs in limited MPG mode (see _limited_mpg_wait)
+        self._mpg = None  # nvshmem_mpg.MpgOps when NVSHMEM runs in limited MPG mode
+        self._limited_mpg = False
         self.teardown = "open"  # then "finalized: why" or "skipped: why"
         self._tensors: list[torch.Tensor] = []  # from nvshmem.core.tensor, in allocation order
         self._externals: list[torch.Tensor] = []  # register_external aliases, in registration order
@@ -236,7 +208,7 @@ class Runtime:
             self.status = nvc.InitStatus(status).name  # e.g. STATUS_LIMITED_MPG: several PEs share a GPU
         except ValueError:
             self.status = str(status)
-        self._stream_wait = _limited_mpg_wait(self.status, status)
+        self._limited_mpg = is_limited_mpg(self.status, status)
         if g.rank == 0:
             try:  # every PE has read it (init is collective); a later group must not read a stale id
                 self.store.delete(bootstrap.uid_key(g))
@@ -262,9 +234,10 @@ class Runtime:
         with torch.cuda.device(self.index):
             self.recv = self._sym(self.plan.area_bytes)  # [src, role] slots this PE receives into
             self.send = self._sym(self.plan.area_bytes)  # [dst, role] slots this PE gathers into
-            words = self._sym(16 * w).view(torch.int64)  # uint64 for NVSHMEM; values stay < 2**63
+            # uint64 for NVSHMEM; values stay < 2**63; one scratch word last (the MPG self-test)
+            words = self._sym(16 * w + 8).view(torch.int64)
             words.zero_()
-            self.data_words, self.credit_words = words[:w], words[w:]
+            self.data_words, self.credit_words = words[:w], words[w:2 * w]
             stream = torch.cuda.Stream(self.index)
             stream.wait_stream(torch.cuda.current_stream(self.index))
             with self.lock:
@@ -278,6 +251,9 @@ class Runtime:
             time.sleep(1e-3)
         self._recv_ptr, self._send_ptr = self.recv.data_ptr(), self.send.data_ptr()
         self._data_ptr, self._credit_ptr = self.data_words.data_ptr(), self.credit_words.data_ptr()
+        if self._limited_mpg:
+            with torch.cuda.device(self.index):
+                self._mpg = MpgOps(words, timeout_s=self.group.init_timeout_s)
 
     # ---- streams and the on-stream operations the lanes use -----------------------------------------
     def bind_thread(self) -> None:
@@ -313,13 +289,16 @@ class Runtime:
                                               stream.cuda_stream)
 
     def _wait(self, stream, addr: int, value: int) -> None:
-        if self._stream_wait is not None:  # limited MPG: NVSHMEM exits the process on its own wait
-            self._stream_wait(stream.cuda_stream, addr, value)
+        if self._mpg is not None:  # limited MPG: NVSHMEM exits the process on its own wait
+            self._mpg.wait(stream, addr, value)
             return
         with self.lock:
             self._nvb.signal_wait_until_on_stream(addr, self._GE, value, stream.cuda_stream)
 
     def _set(self, stream, addr: int, value: int, pe: int) -> None:
+        if self._mpg is not None and pe == self.pe:  # NVSHMEM's own-PE branch fails in limited MPG
+            self._mpg.set_own(stream, addr, value)
+            return
         with self.lock:
             self._nvb.signal_op_on_stream(addr, value, self._SET, pe, stream.cuda_stream)
 

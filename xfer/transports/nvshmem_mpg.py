@@ -1,0 +1,121 @@
+"""Signal-word waits and own-word writes for NVSHMEM's *limited MPG* mode.
+
+When several PEs share one GPU without MPS, NVSHMEM runs in limited MPG mode: puts and
+``putmem_signal`` work, but ``signal_wait_until_on_stream`` prints "Called NVSHMEM API not
+supported with limited MPG runs" and **exits the process**, and the own-PE branch of
+``signal_op_on_stream`` (``cuStreamWriteValue64``) failed on the H200 (CUDA_ERROR_INVALID_VALUE).
+In that mode the lanes use these instead, on the same streams and the same symmetric words:
+
+- own-word writes: a one-element ``fill_`` of the word's tensor view, queued on the stream;
+- waits (``word >= value``): the CUDA driver's stream memory operation ``cuStreamWaitValue64``
+  (GEQ; no SM is held), which is what NVSHMEM itself issues where it may. A self-test on a
+  symmetric scratch word decides at start-up; where the driver refuses it, a one-warp Triton
+  kernel spins on the word with acquire loads at system scope.
+
+The puts that set the words come over peer mappings of one GPU, so no remote-write flush is
+needed. Signal values stay below 2**63 (int64 words).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+from ..errors import TransportError, TransportUnavailableError
+
+__all__ = ["MpgOps", "is_limited_mpg"]
+
+log = logging.getLogger("xfer.nvshmem")
+
+LIMITED_MPG = 3  # NVSHMEM_STATUS_LIMITED_MPG
+
+
+def is_limited_mpg(status_name: str, status_value: int) -> bool:
+    return "LIMITED_MPG" in status_name or status_value == LIMITED_MPG
+
+
+@functools.cache
+def _spin_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["value"])
+    def wait_geq(word_ptr, value):
+        seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+        while seen < value:
+            seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+
+    return wait_geq
+
+
+class MpgOps:
+    """``words``: the int64 tensor of this PE's signal words (a scratch word last)."""
+
+    def __init__(self, words: torch.Tensor, timeout_s: float = 10.0) -> None:
+        self.words, self.base = words, words.data_ptr()
+        self.mode = "memop"
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError:
+            cu = None
+        self._cu = cu
+        if cu is None:
+            self.mode = "kernel"
+        else:
+            self._geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            err = self._self_test(timeout_s)
+            if err:
+                log.info("NVSHMEM limited MPG: cuStreamWaitValue64 unusable on the symmetric heap (%s); "
+                         "waits spin in a one-warp kernel", err)
+                self.mode = "kernel"
+        log.info("NVSHMEM in limited MPG mode: signal waits by %s",
+                 "cuStreamWaitValue64" if self.mode == "memop" else "a spinning one-warp kernel")
+
+    def _view(self, addr: int) -> torch.Tensor:
+        i, rem = divmod(addr - self.base, 8)
+        if rem or not 0 <= i < self.words.numel():
+            raise TransportError(f"0x{addr:x} is not one of this PE's signal words")
+        return self.words[i:i + 1]
+
+    def _self_test(self, timeout_s: float) -> str | None:
+        scratch = self.words[-1:]
+        stream = torch.cuda.Stream(self.words.device)
+        with torch.cuda.stream(stream):
+            scratch.fill_(1)
+        try:
+            self._memop_wait(stream, scratch.data_ptr(), 1)
+        except TransportError as exc:
+            stream.synchronize()
+            return str(exc)
+        event = torch.cuda.Event()
+        event.record(stream)
+        end = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > end:  # cannot happen with a working wait: the word is already 1
+                raise TransportUnavailableError("cuStreamWaitValue64 self-test did not complete; the stream is stuck")
+            time.sleep(1e-4)
+        return None
+
+    def _memop_wait(self, stream, addr: int, value: int) -> None:
+        cu = self._cu
+        (err,) = cu.cuStreamWaitValue64(cu.CUstream(stream.cuda_stream), cu.CUdeviceptr(addr), value, self._geq)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise TransportError(f"cuStreamWaitValue64 on 0x{addr:x} >= {value} failed: {err!r}")
+
+    def wait(self, stream, addr: int, value: int) -> None:
+        """Queue on ``stream``: go on once the word at ``addr`` is >= ``value``."""
+        if self.mode == "memop":
+            self._memop_wait(stream, addr, value)
+            return
+        view = self._view(addr)
+        with torch.cuda.stream(stream):
+            _spin_kernel()[(1,)](view, int(value), num_warps=1)
+
+    def set_own(self, stream, addr: int, value: int) -> None:
+        """Queue on ``stream``: this PE's word at ``addr`` := ``value``."""
+        view = self._view(addr)
+        with torch.cuda.stream(stream):
+            view.fill_(int(value))
