@@ -218,7 +218,12 @@ class _Lane:
     def wait_event(self, item: _Item, event) -> None:
         delay = POLL_MIN_S
         while not event.query():
-            item.check(self)
+            try:
+                item.check(self)
+            except BaseException:
+                log.warning("NVSHMEM lane %s: %r stopped while its GPU work was pending; %s", self.name, item,
+                            getattr(self.rt, "describe", lambda: "")())
+                raise
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
 

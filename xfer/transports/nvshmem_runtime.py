@@ -255,6 +255,18 @@ class Runtime:
             with torch.cuda.device(self.index):
                 self._mpg = MpgOps(words, timeout_s=self.group.init_timeout_s)
 
+    def describe(self) -> str:
+        """The signal words as they are now (a copy on a stream of its own, so it never waits
+        behind a lane that is stuck): for a report when a transfer stops."""
+        try:
+            stream = torch.cuda.Stream(self.index)
+            with torch.cuda.stream(stream):
+                data, credit = self.data_words.to("cpu", non_blocking=False), self.credit_words.to("cpu")
+            return (f"PE {self.pe}/{self.size} status {self.status} mpg={getattr(self._mpg, 'mode', None)}: "
+                    f"data words {data.tolist()}, credit words {credit.tolist()} (index 2*peer+role)")
+        except Exception as exc:  # noqa: BLE001 - a report must not raise
+            return f"signal words unreadable: {exc!r}"
+
     # ---- streams and the on-stream operations the lanes use -----------------------------------------
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.index)
