@@ -750,3 +750,133 @@ def test_gpu_swap_pinned_host_and_streams():
     check_moved(dl, dev, [9, 40, 2], dl, back, [63, 1, 5])
     with pytest.raises(InvalidArgumentError, match="pinned"):
         copy_blocks(dl, dev, [0], hl, [torch.empty_like(t, device="cpu") for t in host], [0])
+
+
+# ---- CUDA: the copy engines ---------------------------------------------------------------------
+def engine_or_skip(path):
+    from xfer.kernels import copy_engine as ce
+    reason = ce.available({"batch": "batch", "2d": "2d"}.get(path, "runs"))
+    if reason:
+        pytest.skip(reason)
+
+
+def small_gpu_cache(kind=LayoutKind.VLLM_FLASH_ATTN_NHD, *, layers=8, blocks=32, fill="random", empty=torch.empty,
+                    device="cuda"):
+    ts, layout = make_kv_cache(kind, num_layers=layers, num_blocks=blocks, block_size=16, num_heads=8,
+                               head_dim=128, device=device, empty=empty)
+    for t in ts:
+        if fill == "random":
+            r = raw(t)
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device))
+        else:
+            raw(t).fill_(POISON)
+    return ts, layout
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_runtime_is_torchs():
+    from xfer.kernels import copy_engine as ce
+    info = ce.runtime_info()
+    assert info["available"], info
+    assert info["library"] in ce._loaded_cudart(), "not the libcudart torch loaded"
+    major = int(torch.version.cuda.split(".")[0])
+    assert info["version"] // 1000 == major, (info, torch.version.cuda)
+    if info["version"] >= 12080:
+        assert info["batch"], info
+        assert info["batch_signature"] == ("13.x (no failIdx)" if major >= 13 else "12.8 (with failIdx)")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["batch", "2d"])
+@pytest.mark.parametrize("dst_kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND],
+                         ids=lambda k: k.value)
+@pytest.mark.parametrize("ids", ["random", "strided"])
+def test_gpu_copy_engine_device_to_device(path, dst_kind, ids):
+    """Every copy-engine path byte-exact, untouched blocks still poison; on the default stream
+    (batch detours through a side stream) and on a side stream after an event."""
+    engine_or_skip(path)
+    src, sl = small_gpu_cache()
+    dst, dl = small_gpu_cache(dst_kind, fill="poison")
+    if ids == "strided":  # uniform strides: 2-D copies of many rows
+        s_ids, d_ids = list(range(0, 32, 2)), list(range(1, 32, 2))
+    else:
+        s_ids, d_ids = torch.randperm(32)[:12].tolist(), torch.randperm(32)[:12].tolist()
+    before = snapshot(src)
+    ev = copy_blocks(sl, src, s_ids, dl, dst, d_ids, path=path)
+    assert ev.path is {"batch": CopyPath.COPY_ENGINE_BATCH, "2d": CopyPath.COPY_ENGINE_2D}[path]
+    ev.synchronize()
+    check_moved(sl, src, s_ids, dl, dst, d_ids)
+    assert all(torch.equal(a, raw(b)) for a, b in zip(before, src)), "the source changed"
+    dst2, _ = small_gpu_cache(dst_kind, fill="poison")
+    side, ready = torch.cuda.Stream(), torch.cuda.Event()
+    ready.record()
+    copy_blocks(sl, src, s_ids, dl, dst2, d_ids, path=path, stream=side, wait_event=ready).synchronize()
+    check_moved(sl, src, s_ids, dl, dst2, d_ids)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["batch", "2d", "auto", "kernel"])
+def test_gpu_copy_engine_pinned_host(path, monkeypatch):
+    """swap_out / swap_in by every path; gather into a pinned staging buffer and scatter back."""
+    if path in ("batch", "2d"):
+        engine_or_skip(path)
+    monkeypatch.delenv("XFER_COPY_PATH", raising=False)
+    dev, dl = small_gpu_cache(blocks=32)
+
+    def pinned(*shape, **kw):
+        return torch.empty(*shape, **{**kw, "device": "cpu"}, pin_memory=True)
+    host, hl = small_gpu_cache(LayoutKind.VLLM_FLASH_ATTN_HND, blocks=16, fill="poison", empty=pinned, device="cpu")
+    ev = swap_out(dl, dev, [9, 30, 2, 3], hl, host, [15, 0, 7, 8], path=path)
+    if path == "kernel":
+        assert ev.path is CopyPath.TRITON
+    elif path != "auto":
+        assert ev.path.value == f"copy_engine_{path}"
+    ev.synchronize()
+    check_moved(dl, dev, [9, 30, 2, 3], hl, host, [15, 0, 7, 8])
+    back, _ = small_gpu_cache(blocks=32, fill="poison")
+    swap_in(dl, back, [31, 1, 5, 6], hl, host, [15, 0, 7, 8], path=path).synchronize()
+    check_moved(dl, dev, [9, 30, 2, 3], dl, back, [31, 1, 5, 6])
+    out = torch.full((3 * dl.bytes_per_block,), POISON, dtype=torch.uint8, pin_memory=True)
+    expect = torch.empty(3 * dl.bytes_per_block, dtype=torch.uint8, device="cuda")
+    gather(dl, dev, [4, 0, 4], out, path=path).synchronize()
+    gather_ref(dl, dev, [4, 0, 4], expect)
+    assert torch.equal(out.cuda(), expect)
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_seed_case_and_chunks(monkeypatch):
+    """64 layers x K/V x 128 of 256 blocks x 32 KiB by the batch call, in several chunks."""
+    engine_or_skip("batch")
+    from xfer.kernels import copy_engine as ce
+    monkeypatch.setattr(ce, "MAX_BATCH", 3000)
+    src, sl = seed_cache()
+    dst, dl = seed_cache(fill="poison")
+    s_ids, d_ids = list(range(0, 256, 2)), list(range(255, 127, -1))
+    ev = copy_blocks(sl, src, s_ids, dl, dst, d_ids, path="batch")
+    assert len(ev.keep[2]) == 128 * sl.num_slots and ev.keep[2].num_calls("batch") == 6
+    ev.synchronize()
+    check_moved(sl, src, s_ids, dl, dst, d_ids)
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_error_is_cleared_for_torch():
+    """A refused runtime call raises TransportError and leaves no sticky error for torch's next launch."""
+    engine_or_skip("2d")
+    from xfer.errors import TransportError
+    from xfer.kernels import copy_engine as ce
+    rt = ce._runtime()
+    a = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    b = torch.ones(64, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    rc = rt.memcpy2d(a.data_ptr(), 8, b.data_ptr(), 8, 16, 2, ce.MEMCPY_DEFAULT, s.cuda_stream)  # pitch < width
+    assert rc != 0
+    with pytest.raises(TransportError, match="cudaMemcpy2DAsync failed"):
+        raise rt.error("cudaMemcpy2DAsync", rc)
+    c = a + 1  # would raise if the runtime's last error were still set
+    torch.cuda.synchronize()
+    assert bool((c == 1).all()) and bool((a == 0).all())
