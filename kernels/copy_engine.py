@@ -96,12 +96,15 @@ def _loaded_cudart() -> list[str]:
 
 
 def _candidate_cudart() -> list[str]:
+    """libcudart paths to try: those mapped into this process first (torch's own major version and
+    site-packages before others: other packages may load a second copy), then files next to torch."""
     out = _loaded_cudart()
     try:
         import torch
         lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         site = os.path.dirname(os.path.dirname(torch.__file__))
         major = (torch.version.cuda or "").split(".")[0]
+        out.sort(key=lambda p: (bool(major) and f".so.{major}" not in p, not p.startswith(site)))
         for pattern in (os.path.join(lib, "libcudart.so*"), os.path.join(site, "nvidia", "*", "lib", "libcudart.so*"),
                         os.path.join(site, "nvidia", "cuda_runtime", "lib", "libcudart.so*")):
             for path in sorted(glob.glob(pattern)):

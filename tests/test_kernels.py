@@ -675,6 +675,27 @@ def test_copy_table_set_file_and_errors(engines, monkeypatch, tmp_path):
         copy_table()
 
 
+def test_calibration_table_from_measurements(engines):
+    """The calibration's table: a copy engine only where it beats the kernel by the margin; usable as is."""
+    from xfer.bench.copy_calibrate import derive_table
+    from xfer.kernels import set_copy_table
+    from xfer.kernels._dispatch import _choose
+    rows = lambda **ms: [{"path": p, "ms": v} for p, v in ms.items()]  # noqa: E731
+    cases = [{"scenario": "d2d", "slice_bytes": 512, "rows": rows(kernel=1.0, batch=5.0, runs=0.1)},
+             {"scenario": "d2d", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.97)},  # inside the margin
+             {"scenario": "d2h", "slice_bytes": 512, "rows": rows(kernel=1.0, batch=2.0)},
+             {"scenario": "d2h", "slice_bytes": 4096, "rows": rows(kernel=1.0, batch=0.9, **{"2d": 0.8})},
+             {"scenario": "d2h", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.5, **{"2d": 0.8})},
+             {"scenario": "h2d", "slice_bytes": 512, "rows": [{"path": "kernel", "skipped": "x"}]},
+             {"scenario": "ipc_push", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.5)}]
+    table = derive_table(cases)
+    assert table == {"d2d": [[0, "kernel"]], "d2h": [[0, "kernel"], [4096, "2d"], [32768, "batch"]]}
+    set_copy_table(table, source="calibration")
+    assert _choose(CUDA, PINNED, 8192, None)[0] is CopyPath.COPY_ENGINE_2D
+    assert _choose(CUDA, PINNED, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH
+    assert _choose(PINNED, CUDA, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH  # h2d: still the default
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 def seed_cache(kind=LayoutKind.VLLM_FLASH_ATTN_NHD, blocks=256, fill="random", **kw):
     ts, layout = make_kv_cache(kind, num_layers=64, num_blocks=blocks, block_size=16, num_heads=8,
@@ -880,3 +901,20 @@ def test_gpu_copy_engine_error_is_cleared_for_torch():
     c = a + 1  # would raise if the runtime's last error were still set
     torch.cuda.synchronize()
     assert bool((c == 1).all()) and bool((a == 0).all())
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_calibrate_quick(tmp_path):
+    """The calibration helper runs, checks every path's bytes, and writes a table the dispatcher takes."""
+    import json
+    from xfer.bench import copy_calibrate
+    from xfer.kernels import set_copy_table
+    out = tmp_path / "table.json"
+    res = copy_calibrate.main(["--quick", "--sizes", "512,32768", "--iters", "3", "--budget-s", "0.05",
+                               "--out", str(out)])
+    rows = [r for c in res["cases"] for r in c["rows"]]
+    assert all(r.get("verified", True) for r in rows) and not [r for r in rows if "error" in r]
+    assert {c["scenario"] for c in res["cases"]} == {"d2d", "d2h", "h2d"}
+    set_copy_table(json.loads(out.read_text())["table"], source=str(out))
+    set_copy_table(None)
