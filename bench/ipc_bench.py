@@ -74,9 +74,9 @@ def ipc_copy_cases(slice_bytes: int, args) -> list[dict]:
             cases.append(compare_paths("ipc_push", layout, tensors, src, peer_layout, mapped, dst, ceiling_s=ceil,
                                        ceiling="contiguous device copy", iters=args.copy_iters,
                                        budget_s=args.copy_budget_s))
-            e2e = {"scenario": "ipc_write_e2e", "slice_bytes": layout.block_nbytes, "slices": len(src) * layout.num_slots,
-                   "bytes": nbytes, "ceiling": "contiguous device copy", "ceiling_ms": 1e3 * ceil,
-                   "ceiling_gb_per_s": nbytes / ceil / 1e9, "rows": []}
+            e2e = {"scenario": "ipc_write_e2e", "slice_bytes": layout.block_nbytes,
+                   "slices": len(src) * layout.num_slots, "bytes": nbytes, "ceiling": "contiguous device copy",
+                   "ceiling_ms": 1e3 * ceil, "ceiling_gb_per_s": nbytes / ceil / 1e9, "rows": []}
             cases.append(e2e)
             for path in ("kernel", "batch", "2d"):
                 row = {"path": path}

@@ -417,12 +417,14 @@ class CopyEnginePlan:
             rc = rt.batch(*args, ctypes.byref(fail), stream) if rt.batch_has_fail_idx else rt.batch(*args, stream)
             if rc:
                 where = f" (copy {start + fail.value})" if rt.batch_has_fail_idx and fail.value < count else ""
-                raise rt.error("cudaMemcpyBatchAsync", rc, f" in runs {start}..{start + count - 1} of {len(self)}{where}")
+                raise rt.error("cudaMemcpyBatchAsync", rc,
+                               f" in runs {start}..{start + count - 1} of {len(self)}{where}")
 
     def _launch_2d(self, rt: _Runtime, stream: int) -> None:
         if self._ops_list is None:
             ops = self.ops_2d()
-            self._ops_list = list(zip(*(ops[k].tolist() for k in ("dst", "dpitch", "src", "spitch", "width", "height"))))
+            keys = ("dst", "dpitch", "src", "spitch", "width", "height")
+            self._ops_list = list(zip(*(ops[k].tolist() for k in keys)))
         m1, m2 = rt.memcpy, rt.memcpy2d
         for i, (d, dp, s, sp, w, h) in enumerate(self._ops_list):
             if h == 1:

@@ -624,7 +624,8 @@ def test_path_requests_and_env_override(engines, monkeypatch):
     from xfer.kernels._dispatch import _choose
     for req, expect in [("kernel", CopyPath.TRITON), ("batch", CopyPath.COPY_ENGINE_BATCH),
                         ("2d", CopyPath.COPY_ENGINE_2D), ("copy_engine_2d", CopyPath.COPY_ENGINE_2D),
-                        (CopyPath.COPY_ENGINE_BATCH, CopyPath.COPY_ENGINE_BATCH), (" Batch ", CopyPath.COPY_ENGINE_BATCH)]:
+                        (CopyPath.COPY_ENGINE_BATCH, CopyPath.COPY_ENGINE_BATCH),
+                        (" Batch ", CopyPath.COPY_ENGINE_BATCH)]:
         assert _choose(CUDA, CUDA, 512, req)[0] is expect
     monkeypatch.setenv("XFER_COPY_PATH", "2d")
     path, why = _choose(CUDA, CUDA, 512, None)
