@@ -7,6 +7,14 @@ decode process's blocks -> notification delivered -> acknowledged), after verify
 beside the same-bytes contiguous device copy measured in the same run. Also: back-to-back
 transfers (throughput with completion round trips overlapped), pull, and the latency of a
 1-block request across all layers.
+
+Then (``copy_paths`` in the JSON; ``--no-copy-paths`` skips it) the Triton kernel against the
+copy engines (``cudaMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, one ``cudaMemcpyAsync`` per run)
+for 512 B, 4 KiB and 32 KiB slices of the same shape: device->device in-process, device->pinned
+host, pinned host->device, the copy alone into the peer's CUDA-IPC-mapped blocks (push), and the
+xfer write end to end per path; each path's bytes checked before it is timed, each beside the
+same-bytes contiguous copy measured in the same run, and the ``auto`` table these numbers imply
+(see ``python -m xfer.bench.copy_calibrate``).
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -34,6 +44,99 @@ def median_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
     return statistics.median(times), float(np.percentile(times, 99))
 
 
+def ipc_copy_cases(slice_bytes: int, args) -> list[dict]:
+    """Push into the peer's mapped blocks by every path (copy alone), then the xfer write end to end per path."""
+    from xfer import Agent, AgentConfig, LayoutKind, TransportKind, make_kv_cache
+    from xfer.bench.copy_calibrate import compare_paths, contiguous_s, poison, seed_dims
+    from xfer.bench.measure import fill_pattern, timed
+    from xfer.bench.target import Target, block_digests
+    from xfer.kernels import copy_engine as ce
+
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    dims = seed_dims(slice_bytes)
+    dev, peer_dev = f"cuda:{args.device}", f"cuda:{args.peer_device}"
+    src, dst = np.arange(0, 256, 2), np.arange(128, 256)[::-1].copy()
+    target = Target(kind.value, dims, peer_dev)
+    cases = []
+    saved = os.environ.get("XFER_COPY_PATH")
+    try:
+        tensors, layout = make_kv_cache(kind, device=dev, **dims)
+        fill_pattern(tensors, 21)
+        torch.cuda.synchronize()
+        nbytes = len(src) * layout.bytes_per_block
+        ceil = contiguous_s(nbytes, dev, peer_dev, iters=args.copy_iters, budget_s=args.copy_budget_s)
+        with Agent("bench-copy-paths", AgentConfig(transport="ipc")) as agent:
+            agent.register("kv", tensors, layout)
+            peer = agent.connect(target.metadata)
+            agent.write(peer, src, dst).wait()  # maps the peer's blocks into this process
+            mapped = next(iter(agent.transports[TransportKind.IPC]._mapped.values()))
+            peer_layout = make_kv_cache(kind, device="meta", **dims)[1]
+            cases.append(compare_paths("ipc_push", layout, tensors, src, peer_layout, mapped, dst, ceiling_s=ceil,
+                                       ceiling="contiguous device copy", iters=args.copy_iters,
+                                       budget_s=args.copy_budget_s))
+            e2e = {"scenario": "ipc_write_e2e", "slice_bytes": layout.block_nbytes,
+                   "slices": len(src) * layout.num_slots, "bytes": nbytes, "ceiling": "contiguous device copy",
+                   "ceiling_ms": 1e3 * ceil, "ceiling_gb_per_s": nbytes / ceil / 1e9, "rows": []}
+            cases.append(e2e)
+            for path in ("kernel", "batch", "2d"):
+                row = {"path": path}
+                e2e["rows"].append(row)
+                reason = None if path == "kernel" else ce.available(path)
+                if reason:
+                    row["skipped"] = reason
+                    continue
+                os.environ["XFER_COPY_PATH"] = path
+                poison(mapped)
+                torch.cuda.synchronize()
+                t = agent.write(peer, src, dst)
+                t.wait()
+                digests, clean = target.call("check", dst.tolist())
+                row.update(verified=bool(clean and digests == block_digests(layout, tensors, src)),
+                           transfer_path=t.path, copy_path=t.copy_path)
+                if not row["verified"]:
+                    continue
+                times = timed(lambda: agent.write(peer, src, dst).wait(), iters=args.copy_iters,
+                              budget_s=args.copy_budget_s, sync=torch.cuda.synchronize)
+                med = statistics.median(times)
+                row.update(n=len(times), ms=1e3 * med, p99_ms=1e3 * float(np.percentile(times, 99)),
+                           gb_per_s=nbytes / med / 1e9, ratio_to_ceiling=ceil / med, calls=None)
+                target.call("drain")
+            timed_rows = [r for r in e2e["rows"] if "ms" in r]
+            if timed_rows:
+                e2e["fastest"] = min(timed_rows, key=lambda r: r["ms"])["path"]
+    finally:
+        if saved is None:
+            os.environ.pop("XFER_COPY_PATH", None)
+        else:
+            os.environ["XFER_COPY_PATH"] = saved
+        target.close()
+    return cases
+
+
+def copy_paths_section(args) -> dict:
+    """Kernel vs copy engines for each slice size: in-process, pinned host, IPC push, IPC end to end."""
+    from xfer.bench.copy_calibrate import derive_table, in_process_cases, print_case
+    from xfer.kernels import copy_engine as ce
+
+    out = {"runtime": ce.runtime_info(), "cases": []}
+    print(f"\ncopy paths (kernel vs copy engines); runtime: {out['runtime']}")
+    for size in [int(x) for x in args.copy_sizes.split(",") if x]:
+        for what, fn in (("in-process", lambda: in_process_cases(size, iters=args.copy_iters,
+                                                                 budget_s=args.copy_budget_s, device=args.device)),
+                         ("ipc", lambda: ipc_copy_cases(size, args))):
+            try:
+                cases = fn()
+            except Exception:  # noqa: BLE001 - one failing case must not cost the others' numbers
+                cases = [{"scenario": what, "slice_bytes": size, "error": traceback.format_exc()}]
+            for c in cases:
+                print_case(c)
+            out["cases"] += cases
+            torch.cuda.empty_cache()
+    out["table"] = derive_table(out["cases"])
+    print(f"\nauto table these numbers imply: {json.dumps(out['table'])}")
+    return out
+
+
 def main(argv=None) -> dict:
     from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
@@ -44,6 +147,10 @@ def main(argv=None) -> dict:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--peer-device", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print where copy_blocks spends its host time")
+    p.add_argument("--no-copy-paths", action="store_true", help="skip the kernel vs copy-engine comparison")
+    p.add_argument("--copy-sizes", default="512,4096,32768", help="slice sizes of the copy-path comparison")
+    p.add_argument("--copy-iters", type=int, default=10)
+    p.add_argument("--copy-budget-s", type=float, default=0.4, help="time budget of one copy-path measurement")
     args = p.parse_args(argv)
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
@@ -64,7 +171,9 @@ def main(argv=None) -> dict:
             agent.register("kv", tensors, layout)
             peer = agent.connect(target.metadata)
             route = agent.route(peer)
-            agent.write(peer, src, dst).wait()
+            first = agent.write(peer, src, dst)
+            first.wait()
+            transfer_path = first.path
             digests, clean = target.call("check", dst.tolist())
             verified = clean and digests == block_digests(layout, tensors, src)
             if not verified:
@@ -140,7 +249,7 @@ def main(argv=None) -> dict:
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "workload": {**dims, "layout": kind, "blocks_moved": len(src), "slice_bytes": layout.block_nbytes,
                      "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
-        "route": str(route), "verified": verified, "rows": rows,
+        "route": str(route), "transfer_path": transfer_path, "verified": verified, "rows": rows,
         "one_block_request": {"slices": layout.num_slots, "bytes": layout.bytes_per_block,
                               "p50_ms": lat_ms, "p99_ms": lat_p99},
         "post_us_median": statistics.median(post),
@@ -154,6 +263,12 @@ def main(argv=None) -> dict:
     print(f"host time to post the 16,384-slice write: {res['post_us_median']:.0f} us (median)")
     print("one write, median ms from the call to each phase: "
           + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    print(f"path of the verified write: {transfer_path}")
+    if not args.no_copy_paths:
+        if args.out:  # what ran so far survives a crash below
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+        res["copy_paths"] = copy_paths_section(args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -10,7 +10,8 @@ time of one call ("host us", calls queued back to back). Ceilings: a contiguous 
 the same bytes (for swap: a contiguous pinned host <-> device copy). Baselines: one ``copy_``
 per slice (a subset timed, extrapolated, as the table says) and per-layer torch indexing.
 Targets (H200): gather/scatter >= 95 % of the ceiling for 32 KiB and 4 KiB slices, >= 80 % for
-512 B, swap >= 97 %, conversion >= 85 %.
+512 B, swap >= 97 %, conversion >= 85 %. Every op runs with ``path="kernel"`` (``auto`` would take
+the copy engines for swaps); ``python -m xfer.bench.copy_calibrate`` compares the two.
 """
 
 from __future__ import annotations
@@ -117,18 +118,22 @@ def run_case(case: Case, sweep: bool) -> dict:
         out["ceiling_d2h"] = {"what": "contiguous device->pinned host", "ms": d2h, "GBps": nbytes / d2h / 1e6}
         out["ceiling_h2d"] = {"what": "contiguous pinned host->device", "ms": h2d, "GBps": nbytes / h2d / 1e6}
         ops = {
-            "swap_out": (lambda: swap_out(sl, src, s_ids, hl, host, d_ids), (sl, src, s_ids, hl, host, d_ids), d2h),
-            "swap_in": (lambda: swap_in(sl, dst, d_ids, hl, host, d_ids), (hl, host, d_ids, dl, dst, d_ids), h2d),
+            "swap_out": (lambda: swap_out(sl, src, s_ids, hl, host, d_ids, path="kernel"),
+                         (sl, src, s_ids, hl, host, d_ids), d2h),
+            "swap_in": (lambda: swap_in(sl, dst, d_ids, hl, host, d_ids, path="kernel"),
+                        (hl, host, d_ids, dl, dst, d_ids), h2d),
         }
     else:
         stg = sl.staging(case.moved)
         stg_t = [staging.view(sl.dtype)]
         ops = {
-            "gather": (lambda: gather(sl, src, s_ids, staging), (sl, src, s_ids, stg, stg_t, np.arange(case.moved)),
+            "gather": (lambda: gather(sl, src, s_ids, staging, path="kernel"),
+                       (sl, src, s_ids, stg, stg_t, np.arange(case.moved)),
                        ceil_ms),
-            "scatter": (lambda: scatter(staging, dl, dst, d_ids, staging_layout=stg),
+            "scatter": (lambda: scatter(staging, dl, dst, d_ids, staging_layout=stg, path="kernel"),
                         (stg, stg_t, np.arange(case.moved), dl, dst, d_ids), ceil_ms),
-            "copy_blocks": (lambda: copy_blocks(sl, src, s_ids, dl, dst, d_ids), (sl, src, s_ids, dl, dst, d_ids),
+            "copy_blocks": (lambda: copy_blocks(sl, src, s_ids, dl, dst, d_ids, path="kernel"),
+                            (sl, src, s_ids, dl, dst, d_ids),
                             ceil_ms),
         }
     for name, (fn, args, ceiling) in ops.items():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|xferbench|engine|all]...   (default: all)
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|xferbench|engine|copycal|all]...   (default: all;
+# copycal, the kernel vs copy-engine calibration that writes the auto table, runs only when named)
 # Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _NVSHMEM, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
@@ -54,6 +55,8 @@ for step in $what; do
       run_step XFERBENCH python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
         --out "$OUT/xfer-bench" --no-plots --quiet --json >"$OUT/xfer-bench.json" 2>"$OUT/xfer-bench.log"
       rc=$((rc | $?)); tail -40 "$OUT/xfer-bench.log" ;;&
+    copycal)
+      run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     engine|all)
       run_step ENGINE python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
         | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;

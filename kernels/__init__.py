@@ -2,9 +2,14 @@
 
 ``copy_blocks`` moves blocks between two caches (converting physical orders), ``gather`` /
 ``scatter`` go through a dense staging buffer, ``swap_out`` / ``swap_in`` move blocks to and from
-pinned host memory. Triton is imported only when a kernel runs (CI imports xfer without a GPU).
+pinned host memory. Copies touching CUDA memory run by the Triton kernel or by the copy engines
+(``path=``/``XFER_COPY_PATH``: kernel, batch, 2d, auto; see :mod:`xfer.kernels._dispatch` and
+:mod:`xfer.kernels.copy_engine`). Triton is imported only when a kernel runs (CI imports xfer
+without a GPU).
 """
 
-from ._dispatch import CopyPath, copy_blocks, gather, scatter, select_path, swap_in, swap_out
+from ._dispatch import (CopyPath, copy_blocks, copy_table, gather, scatter, select_path, set_copy_table, swap_in,
+                        swap_out)
 
-__all__ = ["copy_blocks", "gather", "scatter", "swap_out", "swap_in", "CopyPath", "select_path"]
+__all__ = ["copy_blocks", "gather", "scatter", "swap_out", "swap_in", "CopyPath", "select_path", "copy_table",
+           "set_copy_table"]

@@ -1,4 +1,4 @@
-"""Public block-copy ops: check, pick the path (Triton on CUDA, interpreter or torch on CPU), run.
+"""Public block-copy ops: check, pick the path (Triton or the copy engines on CUDA, interpreter or torch on CPU), run.
 
 Tensor arguments everywhere below:
 
@@ -13,36 +13,144 @@ Tensor arguments everywhere below:
 - staging buffers: 1-D contiguous tensors of any dtype whose size in bytes is exactly
   ``n * layout.bytes_per_block``, laid out as ``layout.staging(n)``: ``[L, K, n, block]`` with the
   block in the layout's own inner order (slot-major).
+
+Copies that touch CUDA memory go by the Triton kernel (SMs) or by the copy engines (DMA,
+:mod:`xfer.kernels.copy_engine`). The ``path`` keyword of every op picks: ``kernel``,
+``batch`` (``cudaMemcpyBatchAsync``), ``2d`` (``cudaMemcpy2DAsync`` over uniform-stride runs,
+``cudaMemcpyAsync`` for the rest) or ``auto``; ``None`` reads ``XFER_COPY_PATH`` (default
+``auto``). ``auto`` looks the copy's direction (``d2d``, ``d2h``, ``h2d``) and slice size (the
+bytes contiguous on both sides, before merging) up in :func:`copy_table`: the last row whose
+minimum size the slices reach names the path. The default table is conservative, pending an H200
+calibration (``python -m xfer.bench.copy_calibrate``): the kernel for device<->device at every
+size (measured ~95-97 % of a contiguous copy from 512 B slices up), the copy engine's batch call
+for host<->device slices of 4 KiB and more (the zero-copy kernel reaches 92-95 % of PCIe; DMA is
+expected to reach the link rate), the kernel below. ``XFER_COPY_TABLE`` names a JSON file
+holding a table to use instead (the calibration's output); :func:`set_copy_table` sets one.
+Copies between two host sides ignore the request (no copy engine moves pageable host memory).
+The event a CUDA copy returns says what ran: ``event.path`` (a :class:`CopyPath`) and
+``event.reason``; :func:`select_path` answers the same before copying.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import json
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from xfer.errors import InvalidArgumentError
+from xfer.errors import InvalidArgumentError, TransportUnavailableError
 from xfer.layout import KVLayout
 
 from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, slot_addresses, staging_tensor,
                         tensor_spans)
 
-__all__ = ["CopyPath", "select_path", "copy_blocks", "gather", "scatter", "swap_out", "swap_in"]
+__all__ = ["CopyPath", "select_path", "copy_blocks", "gather", "scatter", "swap_out", "swap_in", "copy_table",
+           "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
 
 
 class CopyPath(enum.Enum):
     """Which implementation moves the bytes."""
 
     TRITON = "triton"  # a CUDA side: one compiled Triton launch
+    COPY_ENGINE_BATCH = "copy_engine_batch"  # a CUDA side: cudaMemcpyBatchAsync over the byte runs
+    COPY_ENGINE_2D = "copy_engine_2d"  # a CUDA side: cudaMemcpy2DAsync per uniform-stride run set
     TRITON_INTERPRETER = "triton_interpreter"  # CPU tensors and TRITON_INTERPRET=1 (how CI tests the kernel)
     TORCH_REFERENCE = "torch_reference"  # CPU tensors otherwise
+
+
+# request -> path; "auto" resolves through the table
+COPY_REQUESTS = {"kernel": CopyPath.TRITON, "triton": CopyPath.TRITON, "batch": CopyPath.COPY_ENGINE_BATCH,
+                 "copy_engine_batch": CopyPath.COPY_ENGINE_BATCH, "2d": CopyPath.COPY_ENGINE_2D,
+                 "copy_engine_2d": CopyPath.COPY_ENGINE_2D, "auto": None}
+_ENGINE_MODE = {CopyPath.COPY_ENGINE_BATCH: "batch", CopyPath.COPY_ENGINE_2D: "2d"}
+_REQUEST_OF = {CopyPath.TRITON: "kernel", **_ENGINE_MODE}
+DIRECTIONS = ("d2d", "d2h", "h2d")
+# direction -> ((minimum slice bytes, path), ...) ascending: the last row a copy's slices reach wins
+DEFAULT_COPY_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
+    "d2d": ((0, "kernel"),),
+    "d2h": ((0, "kernel"), (4096, "batch")),
+    "h2d": ((0, "kernel"), (4096, "batch")),
+}
+_TABLE: list = []  # [(table, source)] once resolved
+_TABLE_LOCK = threading.Lock()
+
+
+def _check_table(table: Mapping, source: str) -> dict[str, tuple[tuple[int, str], ...]]:
+    if not isinstance(table, Mapping):
+        raise InvalidArgumentError(f"copy table ({source}) must map directions to rows, got {type(table).__name__}")
+    out = dict(DEFAULT_COPY_TABLE)
+    for direction, rows in table.items():
+        if direction not in DIRECTIONS:
+            raise InvalidArgumentError(f"copy table ({source}) names direction {direction!r}; expected {DIRECTIONS}")
+        try:
+            rows = tuple((int(m), str(p)) for m, p in rows)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"copy table ({source}) rows of {direction} must be [min_bytes, path] pairs, "
+                                       f"got {rows!r}") from None
+        if not rows or rows[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+            raise InvalidArgumentError(f"copy table ({source}) rows of {direction} must start at 0 bytes and grow "
+                                       f"strictly, got {list(rows)}")
+        for _, p in rows:
+            if p not in COPY_REQUESTS or p == "auto":
+                raise InvalidArgumentError(f"copy table ({source}) names path {p!r}; expected kernel, batch or 2d")
+        out[direction] = rows
+    return out
+
+
+def set_copy_table(table: Mapping | None, source: str = "set_copy_table") -> None:
+    """Use ``table`` (``{direction: [[min_slice_bytes, "kernel"|"batch"|"2d"], ...]}``, the
+    calibration's ``table``) for ``auto``; directions it omits keep the default. ``None``: back
+    to the default (or ``XFER_COPY_TABLE``)."""
+    checked = None if table is None else (_check_table(table, source), source)
+    with _TABLE_LOCK:
+        _TABLE[:] = [] if checked is None else [checked]
+
+
+def copy_table() -> tuple[dict[str, tuple[tuple[int, str], ...]], str]:
+    """The table ``auto`` uses, and where it came from."""
+    with _TABLE_LOCK:
+        if _TABLE:
+            return _TABLE[0]
+    path = os.environ.get("XFER_COPY_TABLE", "").strip()
+    if path:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgumentError(f"XFER_COPY_TABLE={path!r} cannot be read as JSON: {exc}") from None
+        entry = (_check_table(doc.get("table", doc) if isinstance(doc, dict) else doc, f"XFER_COPY_TABLE={path}"),
+                 f"XFER_COPY_TABLE={path}")
+    else:
+        entry = (dict(DEFAULT_COPY_TABLE), "default table")
+    with _TABLE_LOCK:
+        if not _TABLE:
+            _TABLE.append(entry)
+        return _TABLE[0]
+
+
+def _request(path) -> tuple[str, str]:
+    """(normalized request, where it came from)."""
+    source = "path argument"
+    if path is None:
+        path, source = os.environ.get("XFER_COPY_PATH", "").strip() or "auto", "XFER_COPY_PATH"
+        if "XFER_COPY_PATH" not in os.environ:
+            source = "default"
+    if isinstance(path, CopyPath):
+        if path not in _REQUEST_OF:
+            raise InvalidArgumentError(f"copy path {path} is chosen from the tensors, not requested; request "
+                                       f"kernel, batch, 2d or auto")
+        return _REQUEST_OF[path], source
+    key = str(path).strip().lower()
+    if key not in COPY_REQUESTS:
+        raise InvalidArgumentError(f"copy path ({source}) must be one of kernel, batch, 2d, auto; got {path!r}")
+    return {"triton": "kernel", "copy_engine_batch": "batch", "copy_engine_2d": "2d"}.get(key, key), source
 
 
 def _interpret_requested() -> bool:
@@ -70,9 +178,57 @@ def _where(tensors: Sequence[torch.Tensor]) -> tuple[str, bool]:
     return dev, dev == "cpu" and torch.cuda.is_available() and all(t.is_pinned() for t in tensors)
 
 
-def select_path(src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor]) -> tuple[CopyPath, str]:
-    """The path a copy between these tensors takes, and why; raises if no path can serve them."""
-    return _pick(_where(src_tensors), _where(dst_tensors))
+@functools.lru_cache(maxsize=256)
+def slice_bytes(src_layout: KVLayout, dst_layout: KVLayout) -> int:
+    """Bytes contiguous on both sides of one (block, slot): what ``auto`` sizes a copy by."""
+    src_layout.check_compatible(dst_layout, what="destination")
+    return src_layout.joint_runs(dst_layout)[0] * src_layout.itemsize
+
+
+def _direction(src: tuple[str, bool], dst: tuple[str, bool]) -> str:
+    return "d2d" if src[0] == dst[0] == "cuda" else "d2h" if src[0] == "cuda" else "h2d"
+
+
+def _choose(src: tuple[str, bool], dst: tuple[str, bool], size: int | None, path) -> tuple[CopyPath, str]:
+    """Path for sides (device type, all pinned), slices of ``size`` bytes (None: unknown), a request."""
+    base, why = _pick(src, dst)
+    if base is not CopyPath.TRITON:
+        return base, why  # no CUDA side: the request does not apply
+    req, source = _request(path)
+    direction = _direction(src, dst)
+    from . import copy_engine
+    if req != "auto":
+        chosen = COPY_REQUESTS[req]
+        if chosen in _ENGINE_MODE:
+            reason = copy_engine.available(_ENGINE_MODE[chosen])
+            if reason:
+                raise TransportUnavailableError(f"copy path {req!r} ({source}) cannot run here: {reason}")
+        return chosen, f"{req} requested ({source}), {direction}"
+    table, table_source = copy_table()
+    rows = table[direction]
+    row = rows[0] if size is None else [r for r in rows if r[0] <= size][-1]
+    chosen = COPY_REQUESTS[row[1]]
+    what = "slice size unknown" if size is None else f"{size}-byte slices"
+    why = f"auto ({table_source}): {what} {direction} -> {row[1]} (row from {row[0]} B)"
+    if chosen in _ENGINE_MODE:
+        reason = copy_engine.available(_ENGINE_MODE[chosen])
+        if reason and chosen is CopyPath.COPY_ENGINE_BATCH and copy_engine.available("2d") is None:
+            return CopyPath.COPY_ENGINE_2D, f"{why}; batch unavailable ({reason}): 2d"
+        if reason:
+            return CopyPath.TRITON, f"{why}; copy engine unavailable ({reason}): kernel"
+    return chosen, why
+
+
+def select_path(src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor], *,
+                src_layout: KVLayout | None = None, dst_layout: KVLayout | None = None,
+                path=None) -> tuple[CopyPath, str]:
+    """The path a copy between these tensors takes, and why; raises if no path can serve them.
+
+    ``path``: the request (see the module doc); with both layouts, ``auto`` decides by their
+    slice size, without them by the table's smallest row.
+    """
+    size = slice_bytes(src_layout, dst_layout) if src_layout is not None and dst_layout is not None else None
+    return _choose(_where(src_tensors), _where(dst_tensors), size, path)
 
 
 class _Side:
@@ -129,22 +285,40 @@ def _staging(layout: KVLayout, n: int) -> KVLayout:
 
 
 class _KeepAliveEvent(torch.cuda.Event):
-    """A CUDA event that also holds the copy's tensors and tables (``keep``) while it lives."""
+    """A CUDA event that also holds the copy's tensors and tables (``keep``) while it lives, and
+    says which path ran (``path``, ``reason``)."""
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _batch_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream | None:
+    """A side stream for cudaMemcpyBatchAsync when ``stream`` is the legacy default stream."""
+    if stream.cuda_stream not in (0, 1):
+        return None
+    index = stream.device.index
+    if index not in _SIDE_STREAMS:
+        with _SIDES_LOCK:
+            _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=stream.device))
+    return _SIDE_STREAMS[index]
 
 
 def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_ids,
                 dst_layout: KVLayout, dst_tensors: Sequence[torch.Tensor], dst_ids, *,
                 stream: torch.cuda.Stream | None = None,
-                wait_event: torch.cuda.Event | None = None,
+                wait_event: torch.cuda.Event | None = None, path=None,
                 record_stream: bool = True) -> torch.cuda.Event | None:
     """Copy blocks ``src_ids`` of the source cache onto blocks ``dst_ids`` of the destination.
 
     Every slot (all layers, K and V) moves in one kernel launch, converting between physical
-    orders when the two layouts differ (same fingerprint required). Everything is checked before
-    any byte moves: ``LayoutMismatchError``, ``BlockIdError`` (range; destination duplicates),
-    ``LengthMismatchError``, ``LayoutError`` (tensors), ``InvalidArgumentError`` (pageable host
-    memory beside CUDA; overlapping source and destination blocks). The tensor checks of a side
-    are remembered while its tensor objects live at the same addresses.
+    orders when the two layouts differ (same fingerprint required), or by the copy engines
+    (``path``: ``kernel``, ``batch``, ``2d``, ``auto``; None: ``XFER_COPY_PATH``, else auto; see
+    the module doc). Everything is checked before any byte moves: ``LayoutMismatchError``,
+    ``BlockIdError`` (range; destination duplicates), ``LengthMismatchError``, ``LayoutError``
+    (tensors), ``InvalidArgumentError`` (pageable host memory beside CUDA; overlapping source and
+    destination blocks; an unknown path), ``TransportUnavailableError`` (a copy-engine path
+    requested where the CUDA runtime lacks it). The tensor checks of a side are remembered while
+    its tensor objects live at the same addresses.
 
     On CUDA the kernel runs on ``stream`` (default: the current stream) after ``wait_event``; the
     call returns an event recorded after it, which also holds every tensor of the copy until it is
@@ -157,8 +331,8 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     s_ids, d_ids = check_ids(src_layout, src_ids, dst_layout, dst_ids)
     src, dst = _side(src_layout, src_tensors), _side(dst_layout, dst_tensors)
     check_overlap(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids, spans=(src.spans, dst.spans))
-    path, _ = _pick(src.where, dst.where)
-    if path is not CopyPath.TRITON:
+    path, reason = _choose(src.where, dst.where, slice_bytes(src_layout, dst_layout), path)
+    if path not in (CopyPath.TRITON, *_ENGINE_MODE):
         if wait_event is not None:
             wait_event.synchronize()
         if path is CopyPath.TORCH_REFERENCE:
@@ -170,22 +344,37 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
         return None
     stream = torch.cuda.current_stream() if stream is None else stream
     plan = None
+    used = [stream]
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         if wait_event is not None:
             stream.wait_event(wait_event)
-        if s_ids.size:
+        if s_ids.size and path is CopyPath.TRITON:
             from . import copy  # imports triton
             plan = copy.prepare(src_layout, src.addresses, s_ids, dst_layout, dst.addresses, d_ids, stream.device)
             plan.launch()
+        elif s_ids.size:
+            from . import copy_engine
+            mode = _ENGINE_MODE[path]
+            plan = copy_engine.plan_for(src_layout, src.ptrs, s_ids, dst_layout, dst.ptrs, d_ids, stream.device.index)
+            side = _batch_stream(stream) if mode == "batch" else None
+            if side is None:
+                plan.launch(mode, stream.cuda_stream)
+            else:  # the batch API refuses the legacy default stream: run on a side stream in its order
+                side.wait_stream(stream)
+                plan.launch(mode, side.cuda_stream)
+                stream.wait_stream(side)
+                used.append(side)
         event = _KeepAliveEvent()
         event.record(stream)
-    if record_stream and stream != torch.cuda.current_stream(stream.device):
-        seen = set()
-        for t in (*src.tensors, *dst.tensors):
-            if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                t.record_stream(stream)
+    for s in used:
+        if record_stream and s != torch.cuda.current_stream(stream.device):
+            seen = set()
+            for t in (*src.tensors, *dst.tensors):
+                if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    t.record_stream(s)
     event.keep = (src.tensors, dst.tensors, plan)
+    event.path, event.reason = path, reason
     return event
 
 
@@ -195,7 +384,7 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, out: to
 
     ``out``: 1-D contiguous, any dtype, exactly ``len(block_ids) * layout.bytes_per_block`` bytes,
     CUDA or pinned host (or CPU when the cache is); receives ``layout.staging(n)``. ``kw``:
-    ``stream``, ``wait_event`` as for :func:`copy_blocks`, whose return value this returns.
+    ``stream``, ``wait_event``, ``path`` as for :func:`copy_blocks`, whose return value this returns.
     """
     n = len(layout.check_block_ids(block_ids))
     if n == 0:  # no staging layout has zero blocks: check the buffer, then a copy of nothing
@@ -237,7 +426,8 @@ def _check_swap(device_tensors: Sequence[torch.Tensor], host_tensors: Sequence[t
 
 def swap_out(layout: KVLayout, device_tensors: Sequence[torch.Tensor], block_ids, host_layout: KVLayout,
              host_tensors: Sequence[torch.Tensor], host_ids, **kw) -> torch.cuda.Event:
-    """Copy device blocks ``block_ids`` onto pinned host blocks ``host_ids`` (kernel stores over PCIe).
+    """Copy device blocks ``block_ids`` onto pinned host blocks ``host_ids`` (kernel stores over PCIe,
+    or the copy engines: ``path``; ``auto`` uses the table's ``d2h`` rows).
 
     ``device_tensors``: CUDA base tensors of ``layout``; ``host_tensors``: pinned host base
     tensors of ``host_layout`` (same fingerprint, any order). ``kw`` as for :func:`copy_blocks`.
@@ -248,7 +438,8 @@ def swap_out(layout: KVLayout, device_tensors: Sequence[torch.Tensor], block_ids
 
 def swap_in(layout: KVLayout, device_tensors: Sequence[torch.Tensor], block_ids, host_layout: KVLayout,
             host_tensors: Sequence[torch.Tensor], host_ids, **kw) -> torch.cuda.Event:
-    """Copy pinned host blocks ``host_ids`` onto device blocks ``block_ids`` (kernel loads over PCIe).
+    """Copy pinned host blocks ``host_ids`` onto device blocks ``block_ids`` (kernel loads over PCIe,
+    or the copy engines: ``path``; ``auto`` uses the table's ``h2d`` rows).
 
     Same arguments as :func:`swap_out`; only the direction differs.
     """

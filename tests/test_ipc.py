@@ -10,7 +10,7 @@ import torch
 
 from helpers import PeerProcess, assert_blocks_equal, assert_untouched, fill_random, small_dims
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache
-from xfer.errors import PeerDisconnectedError, TransferTimeoutError, TransportError
+from xfer.errors import InvalidArgumentError, PeerDisconnectedError, TransferTimeoutError, TransportError
 from xfer.transports.ipc import decode_share, encode_share
 
 gpu = pytest.mark.gpu
@@ -29,6 +29,15 @@ def test_share_descriptor_round_trip():
     assert decode_share(d) == share and d["tensor_offset"] == 512 and d["uuid"] == "GPU-1234"
     with pytest.raises(TransportError, match="malformed CUDA IPC descriptor"):
         decode_share({"device": 0})
+
+
+def test_copy_path_config_is_checked():
+    assert AgentConfig().copy_path is None
+    assert AgentConfig(copy_path="Copy_Engine_Batch").copy_path == "batch"
+    assert AgentConfig(copy_path="2d").copy_path == "2d" and AgentConfig(copy_path="triton").copy_path == "kernel"
+    for bad in ("dma", 3, ""):
+        with pytest.raises(InvalidArgumentError, match="copy_path"):
+            AgentConfig(copy_path=bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on machines without a GPU")
@@ -132,5 +141,71 @@ def test_killed_peer_ends_with_typed_error_by_deadline():
                 t.wait()
             assert time.monotonic() - start < 10
             assert t.poll() is not TransferState.DONE
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("copy_path", ["batch", "2d", "kernel"])
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND, LayoutKind.DISTSERVE],
+                         ids=lambda k: k.value)
+def test_push_and_pull_by_copy_engine(kind, copy_path):
+    """Two processes on one GPU; the initiator moves the peer's blocks by the copy engines, and the
+    transfer says which path it took."""
+    from xfer.kernels import copy_engine as ce
+    if copy_path != "kernel" and ce.available(copy_path):
+        pytest.skip(ce.available(copy_path))
+    dims = small_dims(kind, layers=4, blocks=16, bs=16, heads=4, hd=64)
+    peer = PeerProcess("decode", LayoutKind.VLLM_FLASH_ATTN_NHD, dims, device="cuda:0", seed=None)
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        fill_random(tensors, seed=5)
+        torch.cuda.synchronize()  # the ipc stream does not wait for the default stream
+        with Agent("prefill", AgentConfig(transport="ipc", copy_path=copy_path)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            src, dst = [0, 2, 4, 6, 9, 9], [1, 3, 5, 7, 15, 0]
+            t = agent.write(name, src, dst, notify=b"ce")
+            t.wait()
+            expect = {"batch": "copy_engine_batch", "2d": "copy_engine_2d", "kernel": "triton"}[copy_path]
+            assert t.copy_path == expect and t.path.startswith(f"ipc (copy: {expect}; {copy_path} requested")
+            assert peer.call("notification", 10)[:4] == ("ok", "prefill", "write", dst)
+            remote = peer.tensors()
+            assert_blocks_equal(layout, tensors, src, peer.tensors_layout, remote, dst)
+            assert_untouched(peer.tensors_layout, remote, dst)
+            for t_ in tensors:
+                t_.view(-1).view(torch.uint8)[:] = 0xA5
+            torch.cuda.synchronize()
+            r = agent.read(name, [15, 1, 3], [2, 5, 6])
+            r.wait()
+            assert r.copy_path == expect
+            local = [t_.cpu() for t_ in tensors]
+            assert_blocks_equal(peer.tensors_layout, remote, [15, 1, 3], layout, local, [2, 5, 6])
+            assert_untouched(layout, local, [2, 5, 6])
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+def test_auto_copy_path_is_reported(monkeypatch):
+    from xfer.kernels import set_copy_table
+    monkeypatch.delenv("XFER_COPY_PATH", raising=False)
+    monkeypatch.delenv("XFER_COPY_TABLE", raising=False)
+    set_copy_table(None)
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    dims = small_dims(kind, layers=2, blocks=8, bs=16, heads=8, hd=128)
+    peer = PeerProcess("decode", kind, dims, device="cuda:0", seed=None)
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        fill_random(tensors, seed=6)
+        torch.cuda.synchronize()
+        with Agent("prefill", AgentConfig(transport="ipc")) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            t = agent.write(name, [1, 2], [3, 4])
+            t.wait()
+            assert t.copy_path == "triton" and "auto (default table): 32768-byte slices d2d -> kernel" in t.path
     finally:
         peer.close()

@@ -342,6 +342,361 @@ def test_import_is_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+# ---- copy engines without a GPU: plans, 2-D decomposition, launch through a host-memory runtime -----
+class HostRuntime:
+    """Stands in for libcudart: every call moves host bytes with memmove, exactly as the CUDA call
+    would move device bytes, and checks the arguments the real one checks."""
+
+    def __init__(self, version=13000, fail_at=None):
+        from xfer.kernels import copy_engine as ce
+        self.version, self.batch_has_fail_idx = version, version < 13000
+        self.attrs = ce.MemcpyAttributes(ce.SRC_ACCESS_ORDER_STREAM, ce._MemLocation(0, 0), ce._MemLocation(0, 0), 0)
+        self.attr_idx = np.zeros(1, dtype=np.uint64)
+        self.calls = {"batch": [], "memcpy": 0, "memcpy2d": 0}
+        self.fail_at = fail_at
+        self.batch_missing = None
+
+    def _array(self, addr, count):
+        import ctypes
+        return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(addr)).copy()
+
+    def batch(self, dsts, srcs, sizes, count, attrs, idx, num_attrs, *rest):
+        import ctypes
+        assert len(rest) == (2 if self.batch_has_fail_idx else 1)
+        stream = rest[-1]
+        assert stream not in (0, 1), "the batch API refuses the legacy stream"
+        a = ctypes.cast(attrs, ctypes.POINTER(type(self.attrs))).contents
+        assert (a.srcAccessOrder, a.flags, num_attrs) == (1, 0, 1) and self._array(idx, 1)[0] == 0
+        self.calls["batch"].append(count)
+        if self.fail_at is not None:
+            if self.batch_has_fail_idx:
+                ctypes.cast(rest[0], ctypes.POINTER(ctypes.c_size_t)).contents.value = self.fail_at
+            return 1  # cudaErrorInvalidValue
+        for d, s, n in zip(self._array(dsts, count), self._array(srcs, count), self._array(sizes, count)):
+            ctypes.memmove(int(d), int(s), int(n))
+        return 0
+
+    def memcpy(self, d, s, n, kind, stream):
+        import ctypes
+        assert kind == 4
+        self.calls["memcpy"] += 1
+        ctypes.memmove(d, s, n)
+        return 0
+
+    def memcpy2d(self, d, dp, s, sp, w, h, kind, stream):
+        import ctypes
+        assert kind == 4 and dp >= w and sp >= w and h > 1
+        self.calls["memcpy2d"] += 1
+        for r in range(h):
+            ctypes.memmove(d + r * dp, s + r * sp, w)
+        return 0
+
+    def error(self, what, rc, detail=""):
+        from xfer.errors import TransportError
+        return TransportError(f"{what} failed: {rc}{detail}")
+
+    def max_pitch(self, device):
+        return (1 << 31) - 1
+
+
+@pytest.fixture
+def host_runtime(monkeypatch):
+    from xfer.kernels import copy_engine as ce
+    rt = HostRuntime()
+    monkeypatch.setattr(ce, "_RUNTIME", [rt])
+    return rt
+
+
+def engine_plan(sl, src, s_ids, dl, dst, d_ids):
+    from xfer.kernels import copy_engine as ce
+    return ce.prepare(sl, [t.data_ptr() for t in src], s_ids, dl, [t.data_ptr() for t in dst], d_ids)
+
+
+def brute_force_bytes(sl, s_ptrs, s_ids, dl, d_ptrs, d_ids):
+    """Every (source byte address, destination byte address) of a block copy, sorted, from the layout formula."""
+    isz = sl.itemsize
+    out = []
+    for s, (a, b) in itertools.product(range(sl.num_slots), zip(s_ids, d_ids)):
+        for n, h, c in itertools.product(range(sl.block_size), range(sl.num_heads), range(sl.head_dim)):
+            so = s_ptrs[sl.slot_tensor[s]] + (sl.slot_offset[s] + a * sl.block_stride + n * sl.token_stride
+                                               + h * sl.head_stride + c * sl.dim_stride) * isz
+            do = d_ptrs[dl.slot_tensor[s]] + (dl.slot_offset[s] + b * dl.block_stride + n * dl.token_stride
+                                               + h * dl.head_stride + c * dl.dim_stride) * isz
+            out += [(so + k, do + k) for k in range(isz)]
+    return sorted(out)
+
+
+def run_bytes(dst, src, nbytes):
+    return sorted((int(s) + k, int(d) + k) for d, s, n in zip(dst, src, nbytes) for k in range(int(n)))
+
+
+ENGINE_PAIRS = [(LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_NHD), *CONVERSIONS,
+                (LayoutKind.SGLANG, LayoutKind.PACKED_KV), (LayoutKind.MLA_FP8, LayoutKind.MLA_FP8)]
+
+
+@pytest.mark.parametrize("a,b", ENGINE_PAIRS, ids=lambda k: k.value)
+@pytest.mark.parametrize("ids", ["strided", "random", "consecutive"])
+def test_copy_engine_runs_and_2d_match_brute_force(a, b, ids):
+    from xfer.kernels import copy_engine as ce
+    dims = dict(num_layers=2, num_blocks=9, block_size=3, num_heads=2, head_dim=4, device="meta")
+    _, sl = make_kv_cache(a, **dims)
+    _, dl = make_kv_cache(b, **dims)
+    rng = np.random.default_rng(7)
+    s_ids, d_ids = {"strided": ([0, 2, 4, 6], [1, 3, 5, 7]), "consecutive": ([2, 3, 4], [5, 6, 7]),
+                    "random": (rng.integers(0, 9, 5).tolist(), rng.permutation(9)[:5].tolist())}[ids]
+    # base tensors far apart, at addresses unrelated to each other
+    s_ptrs = [(1 << 40) + i * (1 << 24) + 64 * (i % 3) for i in range(sl.num_tensors)]
+    d_ptrs = [(3 << 40) + i * (1 << 25) + 128 * (i % 5) for i in range(dl.num_tensors)]
+    plan = ce.prepare(sl, s_ptrs, s_ids, dl, d_ptrs, d_ids)
+    expect = brute_force_bytes(sl, s_ptrs, s_ids, dl, d_ptrs, d_ids)
+    assert run_bytes(plan.dst, plan.src, plan.nbytes) == expect
+    ops = plan.ops_2d()
+    assert run_bytes(*ce.expand_2d(ops)) == expect
+    h = ops["height"]
+    tall = h > 1
+    assert (h >= 1).all() and (ops["spitch"][tall] >= ops["width"][tall]).all()
+    assert (ops["dpitch"][tall] >= ops["width"][tall]).all() and ops["height"].sum() == len(plan)
+    # no operation spans two base tensors on either side
+    for side, ptrs, layout in (("src", s_ptrs, sl), ("dst", d_ptrs, dl)):
+        lo = np.asarray(ptrs)
+        hi = lo + np.asarray(layout.tensor_numel) * layout.itemsize
+        first = ops[side]
+        last = first + (h - 1) * ops[f"{side[0]}pitch"] + ops["width"]
+        owner = np.searchsorted(lo, first, side="right") - 1
+        assert (first >= lo[owner]).all() and (last <= hi[owner]).all()
+    if ids == "strided" and a == b == LayoutKind.VLLM_FLASH_ATTN_NHD:
+        assert h.size == sl.num_slots and (h == 4).all()  # one 2-D copy per (layer, K/V)
+    assert ops["height"].size <= len(plan)
+
+
+def test_copy_engine_2d_pitch_limit_and_groups():
+    from xfer.kernels import copy_engine as ce
+    s = np.array([1000, 1100, 1200, 1300, 5000, 5100], dtype=np.int64)
+    d = np.array([9000, 9300, 9600, 9900, 20000, 20300], dtype=np.int64)
+    w = np.full(6, 64, dtype=np.int64)
+    ops = ce.coalesce_2d(d, s, w)
+    assert ops["height"].tolist() == [4, 2] and ops["spitch"].tolist() == [100, 100]
+    assert ops["dpitch"].tolist() == [300, 300]
+    assert ce.coalesce_2d(d, s, w, max_pitch=200)["height"].tolist() == [1] * 6  # dst pitch 300 > 200
+    grouped = ce.coalesce_2d(d, s, w, group=[0, 0, 1, 1, 1, 1])
+    assert grouped["height"].tolist() == [2, 2, 2]  # no operation crosses from group 0 into group 1
+    assert run_bytes(*ce.expand_2d(grouped)) == run_bytes(d, s, w)
+    # pitch below the width (rows would overlap) and repeated sources never chain
+    assert ce.coalesce_2d([0, 32], [100, 132], [64, 64])["height"].tolist() == [1, 1]
+    assert ce.coalesce_2d([0, 64, 128], [500, 500, 500], [64, 64, 64])["height"].tolist() == [1, 1, 1]
+    # two step patterns touching: every run still covered exactly once
+    s2 = np.array([0, 100, 200, 250, 300, 350], dtype=np.int64) + 10_000
+    d2 = np.array([0, 100, 200, 250, 300, 350], dtype=np.int64) + 90_000
+    ops2 = ce.coalesce_2d(d2, s2, np.full(6, 40))
+    assert run_bytes(*ce.expand_2d(ops2)) == run_bytes(d2, s2, np.full(6, 40))
+    assert ce.coalesce_2d([], [], [])["height"].size == 0
+
+
+@pytest.mark.parametrize("version", [13000, 12080])
+@pytest.mark.parametrize("mode", ["batch", "2d", "runs"])
+def test_copy_engine_launch_moves_bytes(monkeypatch, version, mode):
+    """Plan + launch through a runtime that memmoves host bytes: every mode, both batch signatures."""
+    from xfer.kernels import copy_engine as ce
+    rt = HostRuntime(version)
+    monkeypatch.setattr(ce, "_RUNTIME", [rt])
+    monkeypatch.setattr(ce, "MAX_BATCH", 7)  # several chunks
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, blocks=9, layers=3)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_HND, blocks=9, layers=3, fill="poison")
+    s_ids, d_ids = [8, 0, 2, 4, 6, 6], [1, 3, 5, 7, 0, 2]
+    plan = engine_plan(sl, src, s_ids, dl, dst, d_ids)
+    plan.launch(mode, stream=0x1234)
+    check_moved(sl, src, s_ids, dl, dst, d_ids)
+    if mode == "batch":
+        assert rt.calls["batch"] == [min(7, len(plan) - i) for i in range(0, len(plan), 7)]
+        assert plan.num_calls("batch") == len(rt.calls["batch"])
+    elif mode == "2d":
+        assert rt.calls["memcpy2d"] > 0 and rt.calls["memcpy"] + rt.calls["memcpy2d"] == plan.num_calls("2d")
+        assert plan.num_calls("2d") < len(plan)
+    else:
+        assert rt.calls["memcpy"] == len(plan)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(copy_cases(), st.sampled_from(["batch", "2d", "runs"]))
+def test_copy_engine_matches_reference(case, mode):
+    from xfer.kernels import copy_engine as ce
+    saved = ce._RUNTIME[:]
+    ce._RUNTIME[:] = [HostRuntime()]
+    try:
+        src, sl, dst, dl, s_ids, d_ids = _make_pair(case)
+        expect = [t.clone() for t in dst]
+        copy_blocks_ref(sl, src, s_ids, dl, expect, d_ids)
+        engine_plan(sl, src, s_ids, dl, dst, d_ids).launch(mode, stream=0x10)
+        assert all(torch.equal(raw(x), raw(y)) for x, y in zip(dst, expect))
+    finally:
+        ce._RUNTIME[:] = saved
+
+
+def test_copy_engine_errors_before_bytes_move(host_runtime):
+    from xfer.errors import TransportError, TransportUnavailableError
+    from xfer.kernels import copy_engine as ce
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, fill="poison")
+    ptrs = lambda ts: [t.data_ptr() for t in ts]  # noqa: E731
+    with pytest.raises(BlockIdError, match="repeat id 2"):
+        ce.prepare(sl, ptrs(src), [0, 1], dl, ptrs(dst), [2, 2])
+    with pytest.raises(LengthMismatchError):
+        ce.prepare(sl, ptrs(src), [0, 1], dl, ptrs(dst), [2])
+    with pytest.raises(LayoutMismatchError):
+        ce.prepare(sl, ptrs(src), [0], cache(LayoutKind.MLA)[1], ptrs(cache(LayoutKind.MLA)[0]), [0])
+    with pytest.raises(InvalidArgumentError, match="base pointers"):
+        ce.prepare(sl, ptrs(src)[:1], [0], dl, ptrs(dst), [1])
+    with pytest.raises(InvalidArgumentError, match="non-null"):
+        ce.prepare(sl, [0] * len(src), [0], dl, ptrs(dst), [1])
+    with pytest.raises(InvalidArgumentError, match="positive sizes"):
+        ce.CopyEnginePlan([64], [128], [0])
+    plan = engine_plan(sl, src, [0, 1], dl, dst, [2, 3])
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        plan.launch("dma", stream=0x10)
+    with pytest.raises(InvalidArgumentError, match="legacy default stream"):
+        plan.launch("batch", stream=0)
+    host_runtime.fail_at = 1
+    with pytest.raises(TransportError, match="cudaMemcpyBatchAsync failed"):
+        plan.launch("batch", stream=0x10)
+    assert all(bool((raw(t) == POISON).all()) for t in dst)
+    host_runtime.batch = None
+    host_runtime.batch_missing = "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
+    with pytest.raises(TransportUnavailableError, match="12.8"):
+        plan.launch("batch", stream=0x10)
+
+
+def test_copy_engine_without_cuda_is_unavailable_and_says_why():
+    from xfer.errors import TransportUnavailableError
+    from xfer.kernels import copy_engine as ce
+    if torch.cuda.is_available():
+        pytest.skip("checks the report on machines without a GPU")
+    assert "no CUDA device" in ce.available("batch") and not ce.runtime_info()["available"]
+    with pytest.raises(TransportUnavailableError, match="no CUDA device"):
+        ce.CopyEnginePlan([64], [128], [8]).launch("runs", stream=0x10)
+
+
+def test_copy_engine_plan_cache(host_runtime):
+    from xfer.kernels import copy_engine as ce
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, fill="poison")
+    args = (sl, [t.data_ptr() for t in src], np.array([0, 1]), dl, [t.data_ptr() for t in dst])
+    p1 = ce.plan_for(*args, np.array([2, 3]))
+    assert ce.plan_for(*args, np.array([2, 3])) is p1 and ce.plan_for(*args, np.array([3, 2])) is not p1
+
+
+# ---- choosing the path ------------------------------------------------------------------------------
+@pytest.fixture
+def engines(monkeypatch):
+    """Pretend both copy-engine modes are available (the choice logic is what is tested)."""
+    from xfer.kernels import _dispatch
+    from xfer.kernels import copy_engine as ce
+    state = {"batch": None, "2d": None}
+    monkeypatch.setattr(ce, "available", lambda mode: state[mode])
+    monkeypatch.delenv("XFER_COPY_PATH", raising=False)
+    monkeypatch.delenv("XFER_COPY_TABLE", raising=False)
+    _dispatch.set_copy_table(None)
+    yield state
+    _dispatch.set_copy_table(None)
+
+
+CUDA, PINNED = ("cuda", False), ("cpu", True)
+
+
+def test_auto_table_default(engines):
+    from xfer.kernels._dispatch import _choose
+    assert _choose(CUDA, CUDA, 32768, None)[0] is CopyPath.TRITON  # device<->device: the kernel
+    assert _choose(CUDA, CUDA, 512, "auto")[0] is CopyPath.TRITON
+    assert _choose(CUDA, PINNED, 512, None)[0] is CopyPath.TRITON  # small slices to host: the kernel
+    path, why = _choose(CUDA, PINNED, 4096, None)
+    assert path is CopyPath.COPY_ENGINE_BATCH and "d2h" in why and "default table" in why
+    assert _choose(PINNED, CUDA, 32768, None)[0] is CopyPath.COPY_ENGINE_BATCH
+    assert _choose(PINNED, CUDA, None, None)[0] is CopyPath.TRITON  # size unknown: the first row
+    engines["batch"] = "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
+    path, why = _choose(PINNED, CUDA, 32768, None)
+    assert path is CopyPath.COPY_ENGINE_2D and "12.8" in why
+    engines["2d"] = "copy engine unavailable: no libcudart"
+    path, why = _choose(PINNED, CUDA, 32768, None)
+    assert path is CopyPath.TRITON and "copy engine unavailable" in why
+
+
+def test_path_requests_and_env_override(engines, monkeypatch):
+    from xfer.errors import TransportUnavailableError
+    from xfer.kernels._dispatch import _choose
+    for req, expect in [("kernel", CopyPath.TRITON), ("batch", CopyPath.COPY_ENGINE_BATCH),
+                        ("2d", CopyPath.COPY_ENGINE_2D), ("copy_engine_2d", CopyPath.COPY_ENGINE_2D),
+                        (CopyPath.COPY_ENGINE_BATCH, CopyPath.COPY_ENGINE_BATCH),
+                        (" Batch ", CopyPath.COPY_ENGINE_BATCH)]:
+        assert _choose(CUDA, CUDA, 512, req)[0] is expect
+    monkeypatch.setenv("XFER_COPY_PATH", "2d")
+    path, why = _choose(CUDA, CUDA, 512, None)
+    assert path is CopyPath.COPY_ENGINE_2D and "XFER_COPY_PATH" in why
+    assert _choose(CUDA, CUDA, 512, "kernel")[0] is CopyPath.TRITON  # an argument beats the environment
+    monkeypatch.setenv("XFER_COPY_PATH", "dma")
+    with pytest.raises(InvalidArgumentError, match="XFER_COPY_PATH.*kernel, batch, 2d, auto"):
+        _choose(CUDA, CUDA, 512, None)
+    with pytest.raises(InvalidArgumentError, match="chosen from the tensors"):
+        _choose(CUDA, CUDA, 512, CopyPath.TORCH_REFERENCE)
+    engines["batch"] = "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
+    with pytest.raises(TransportUnavailableError, match="'batch' .*12.8"):
+        _choose(CUDA, CUDA, 512, "batch")
+    # no CUDA side: the request does not apply, the CPU path runs
+    monkeypatch.setenv("XFER_COPY_PATH", "batch")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    src, sl = cache(LayoutKind.PACKED_KV)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_HND, fill="poison")
+    assert select_path(src, dst, src_layout=sl, dst_layout=dl)[0] is CopyPath.TORCH_REFERENCE
+    assert copy_blocks(sl, src, [2, 0], dl, dst, [4, 1], path="2d") is None
+    check_moved(sl, src, [2, 0], dl, dst, [4, 1])
+
+
+def test_copy_table_set_file_and_errors(engines, monkeypatch, tmp_path):
+    import json
+    from xfer.kernels import copy_table, set_copy_table
+    from xfer.kernels._dispatch import DEFAULT_COPY_TABLE, _choose
+    assert copy_table() == (DEFAULT_COPY_TABLE, "default table")
+    set_copy_table({"d2d": [[0, "kernel"], [16384, "batch"]]}, source="calibration")
+    table, source = copy_table()
+    assert source == "calibration" and table["d2d"] == ((0, "kernel"), (16384, "batch"))
+    assert table["h2d"] == DEFAULT_COPY_TABLE["h2d"]  # omitted directions keep the default
+    assert _choose(CUDA, CUDA, 16384, None)[0] is CopyPath.COPY_ENGINE_BATCH
+    assert _choose(CUDA, CUDA, 16383, None)[0] is CopyPath.TRITON
+    for bad, match in [({"p2p": [[0, "kernel"]]}, "direction"), ({"d2d": [[512, "kernel"]]}, "start at 0"),
+                       ({"d2d": [[0, "kernel"], [0, "2d"]]}, "grow"), ({"d2d": [[0, "dma"]]}, "path 'dma'"),
+                       ({"d2d": [["x", "kernel"]]}, "pairs"), ([1, 2], "map directions")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            set_copy_table(bad)
+    set_copy_table(None)
+    f = tmp_path / "table.json"
+    f.write_text(json.dumps({"device": "H200", "table": {"h2d": [[0, "2d"]]}}))
+    monkeypatch.setenv("XFER_COPY_TABLE", str(f))
+    assert copy_table()[0]["h2d"] == ((0, "2d"),) and _choose(PINNED, CUDA, 512, None)[0] is CopyPath.COPY_ENGINE_2D
+    set_copy_table(None)
+    f.write_text("{")
+    with pytest.raises(InvalidArgumentError, match="XFER_COPY_TABLE"):
+        copy_table()
+
+
+def test_calibration_table_from_measurements(engines):
+    """The calibration's table: a copy engine only where it beats the kernel by the margin; usable as is."""
+    from xfer.bench.copy_calibrate import derive_table
+    from xfer.kernels import set_copy_table
+    from xfer.kernels._dispatch import _choose
+    rows = lambda **ms: [{"path": p, "ms": v} for p, v in ms.items()]  # noqa: E731
+    cases = [{"scenario": "d2d", "slice_bytes": 512, "rows": rows(kernel=1.0, batch=5.0, runs=0.1)},
+             {"scenario": "d2d", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.97)},  # inside the margin
+             {"scenario": "d2h", "slice_bytes": 512, "rows": rows(kernel=1.0, batch=2.0)},
+             {"scenario": "d2h", "slice_bytes": 4096, "rows": rows(kernel=1.0, batch=0.9, **{"2d": 0.8})},
+             {"scenario": "d2h", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.5, **{"2d": 0.8})},
+             {"scenario": "h2d", "slice_bytes": 512, "rows": [{"path": "kernel", "skipped": "x"}]},
+             {"scenario": "ipc_push", "slice_bytes": 32768, "rows": rows(kernel=1.0, batch=0.5)}]
+    table = derive_table(cases)
+    assert table == {"d2d": [[0, "kernel"]], "d2h": [[0, "kernel"], [4096, "2d"], [32768, "batch"]]}
+    set_copy_table(table, source="calibration")
+    assert _choose(CUDA, PINNED, 8192, None)[0] is CopyPath.COPY_ENGINE_2D
+    assert _choose(CUDA, PINNED, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH
+    assert _choose(PINNED, CUDA, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH  # h2d: still the default
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 def seed_cache(kind=LayoutKind.VLLM_FLASH_ATTN_NHD, blocks=256, fill="random", **kw):
     ts, layout = make_kv_cache(kind, num_layers=64, num_blocks=blocks, block_size=16, num_heads=8,
@@ -417,3 +772,150 @@ def test_gpu_swap_pinned_host_and_streams():
     check_moved(dl, dev, [9, 40, 2], dl, back, [63, 1, 5])
     with pytest.raises(InvalidArgumentError, match="pinned"):
         copy_blocks(dl, dev, [0], hl, [torch.empty_like(t, device="cpu") for t in host], [0])
+
+
+# ---- CUDA: the copy engines ---------------------------------------------------------------------
+def engine_or_skip(path):
+    from xfer.kernels import copy_engine as ce
+    reason = ce.available({"batch": "batch", "2d": "2d"}.get(path, "runs"))
+    if reason:
+        pytest.skip(reason)
+
+
+def small_gpu_cache(kind=LayoutKind.VLLM_FLASH_ATTN_NHD, *, layers=8, blocks=32, fill="random", empty=torch.empty,
+                    device="cuda"):
+    ts, layout = make_kv_cache(kind, num_layers=layers, num_blocks=blocks, block_size=16, num_heads=8,
+                               head_dim=128, device=device, empty=empty)
+    for t in ts:
+        if fill == "random":
+            r = raw(t)
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device))
+        else:
+            raw(t).fill_(POISON)
+    return ts, layout
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_runtime_is_torchs():
+    from xfer.kernels import copy_engine as ce
+    info = ce.runtime_info()
+    assert info["available"], info
+    assert info["library"] in ce._loaded_cudart(), "not the libcudart torch loaded"
+    major = int(torch.version.cuda.split(".")[0])
+    assert info["version"] // 1000 == major, (info, torch.version.cuda)
+    if info["version"] >= 12080:
+        assert info["batch"], info
+        assert info["batch_signature"] == ("13.x (no failIdx)" if major >= 13 else "12.8 (with failIdx)")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["batch", "2d"])
+@pytest.mark.parametrize("dst_kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND],
+                         ids=lambda k: k.value)
+@pytest.mark.parametrize("ids", ["random", "strided"])
+def test_gpu_copy_engine_device_to_device(path, dst_kind, ids):
+    """Every copy-engine path byte-exact, untouched blocks still poison; on the default stream
+    (batch detours through a side stream) and on a side stream after an event."""
+    engine_or_skip(path)
+    src, sl = small_gpu_cache()
+    dst, dl = small_gpu_cache(dst_kind, fill="poison")
+    if ids == "strided":  # uniform strides: 2-D copies of many rows
+        s_ids, d_ids = list(range(0, 32, 2)), list(range(1, 32, 2))
+    else:
+        s_ids, d_ids = torch.randperm(32)[:12].tolist(), torch.randperm(32)[:12].tolist()
+    before = snapshot(src)
+    ev = copy_blocks(sl, src, s_ids, dl, dst, d_ids, path=path)
+    assert ev.path is {"batch": CopyPath.COPY_ENGINE_BATCH, "2d": CopyPath.COPY_ENGINE_2D}[path]
+    ev.synchronize()
+    check_moved(sl, src, s_ids, dl, dst, d_ids)
+    assert all(torch.equal(a, raw(b)) for a, b in zip(before, src)), "the source changed"
+    dst2, _ = small_gpu_cache(dst_kind, fill="poison")
+    side, ready = torch.cuda.Stream(), torch.cuda.Event()
+    ready.record()
+    copy_blocks(sl, src, s_ids, dl, dst2, d_ids, path=path, stream=side, wait_event=ready).synchronize()
+    check_moved(sl, src, s_ids, dl, dst2, d_ids)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["batch", "2d", "auto", "kernel"])
+def test_gpu_copy_engine_pinned_host(path, monkeypatch):
+    """swap_out / swap_in by every path; gather into a pinned staging buffer and scatter back."""
+    if path in ("batch", "2d"):
+        engine_or_skip(path)
+    monkeypatch.delenv("XFER_COPY_PATH", raising=False)
+    dev, dl = small_gpu_cache(blocks=32)
+
+    def pinned(*shape, **kw):
+        return torch.empty(*shape, **{**kw, "device": "cpu"}, pin_memory=True)
+    host, hl = small_gpu_cache(LayoutKind.VLLM_FLASH_ATTN_HND, blocks=16, fill="poison", empty=pinned, device="cpu")
+    ev = swap_out(dl, dev, [9, 30, 2, 3], hl, host, [15, 0, 7, 8], path=path)
+    if path == "kernel":
+        assert ev.path is CopyPath.TRITON
+    elif path != "auto":
+        assert ev.path.value == f"copy_engine_{path}"
+    ev.synchronize()
+    check_moved(dl, dev, [9, 30, 2, 3], hl, host, [15, 0, 7, 8])
+    back, _ = small_gpu_cache(blocks=32, fill="poison")
+    swap_in(dl, back, [31, 1, 5, 6], hl, host, [15, 0, 7, 8], path=path).synchronize()
+    check_moved(dl, dev, [9, 30, 2, 3], dl, back, [31, 1, 5, 6])
+    out = torch.full((3 * dl.bytes_per_block,), POISON, dtype=torch.uint8, pin_memory=True)
+    expect = torch.empty(3 * dl.bytes_per_block, dtype=torch.uint8, device="cuda")
+    gather(dl, dev, [4, 0, 4], out, path=path).synchronize()
+    gather_ref(dl, dev, [4, 0, 4], expect)
+    assert torch.equal(out.cuda(), expect)
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_seed_case_and_chunks(monkeypatch):
+    """64 layers x K/V x 128 of 256 blocks x 32 KiB by the batch call, in several chunks."""
+    engine_or_skip("batch")
+    from xfer.kernels import copy_engine as ce
+    monkeypatch.setattr(ce, "MAX_BATCH", 3000)
+    src, sl = seed_cache()
+    dst, dl = seed_cache(fill="poison")
+    s_ids, d_ids = list(range(0, 256, 2)), list(range(255, 127, -1))
+    ev = copy_blocks(sl, src, s_ids, dl, dst, d_ids, path="batch")
+    assert len(ev.keep[2]) == 128 * sl.num_slots and ev.keep[2].num_calls("batch") == 6
+    ev.synchronize()
+    check_moved(sl, src, s_ids, dl, dst, d_ids)
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_engine_error_is_cleared_for_torch():
+    """A refused runtime call raises TransportError and leaves no sticky error for torch's next launch."""
+    engine_or_skip("2d")
+    from xfer.errors import TransportError
+    from xfer.kernels import copy_engine as ce
+    rt = ce._runtime()
+    a = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    b = torch.ones(64, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    rc = rt.memcpy2d(a.data_ptr(), 8, b.data_ptr(), 8, 16, 2, ce.MEMCPY_DEFAULT, s.cuda_stream)  # pitch < width
+    assert rc != 0
+    with pytest.raises(TransportError, match="cudaMemcpy2DAsync failed"):
+        raise rt.error("cudaMemcpy2DAsync", rc)
+    c = a + 1  # would raise if the runtime's last error were still set
+    torch.cuda.synchronize()
+    assert bool((c == 1).all()) and bool((a == 0).all())
+
+
+@gpu
+@needs_cuda
+def test_gpu_copy_calibrate_quick(tmp_path):
+    """The calibration helper runs, checks every path's bytes, and writes a table the dispatcher takes."""
+    import json
+    from xfer.bench import copy_calibrate
+    from xfer.kernels import set_copy_table
+    out = tmp_path / "table.json"
+    res = copy_calibrate.main(["--quick", "--sizes", "512,32768", "--iters", "3", "--budget-s", "0.05",
+                               "--out", str(out)])
+    rows = [r for c in res["cases"] for r in c["rows"]]
+    assert all(r.get("verified", True) for r in rows) and not [r for r in rows if "error" in r]
+    assert {c["scenario"] for c in res["cases"]} == {"d2d", "d2h", "h2d"}
+    set_copy_table(json.loads(out.read_text())["table"], source=str(out))
+    set_copy_table(None)

@@ -70,6 +70,11 @@ class AgentConfig:
         (HMAC-SHA256, replay-protected); peers without it are rejected. None and no variable: off.
     enable: start only these transports (None: every one that can run here). Each started
         transport costs threads and, for ucx, a listener; a disabled one is reported as such.
+    copy_path: how the one-sided transports (ipc, local) move blocks that touch CUDA memory:
+        ``kernel`` (one Triton launch), ``batch`` (``cudaMemcpyBatchAsync``), ``2d``
+        (``cudaMemcpy2DAsync``) or ``auto`` (by direction and slice size, see
+        ``xfer.kernels.copy_table``); None: the ``XFER_COPY_PATH`` environment variable, else
+        auto. The path a transfer took is on ``Transfer.copy_path`` (and in ipc's ``Transfer.path``).
     """
 
     default_timeout_s: float = 30.0
@@ -82,6 +87,7 @@ class AgentConfig:
     nvshmem: NvshmemGroup | None = None
     enable: tuple[TransportKind, ...] | None = None
     secret: bytes | str | None = field(default=None, repr=False)
+    copy_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("default_timeout_s", "connect_timeout_s"):
@@ -109,6 +115,14 @@ class AgentConfig:
             object.__setattr__(self, "enable", kinds)
             if self.transport is not None and self.transport not in kinds:
                 raise InvalidArgumentError(f"pinned transport {self.transport.value!r} is not in enable={list(kinds)}")
+        if self.copy_path is not None:
+            value = str(self.copy_path).strip().lower() if isinstance(self.copy_path, str) else None
+            names = {"kernel": "kernel", "triton": "kernel", "batch": "batch", "copy_engine_batch": "batch",
+                     "2d": "2d", "copy_engine_2d": "2d", "auto": "auto"}
+            if value not in names:
+                raise InvalidArgumentError(f"copy_path must be one of kernel, batch, 2d, auto or None, "
+                                           f"got {self.copy_path!r}")
+            object.__setattr__(self, "copy_path", names[value])
         for name in ("chunk_bytes", "max_notify_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

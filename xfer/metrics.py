@@ -63,10 +63,10 @@ class Metrics:
         err = type(transfer.error).__name__ if transfer.error is not None else ""
         level = logging.DEBUG if not err else logging.WARNING
         if log.isEnabledFor(level):
-            log.log(level, "transfer id=%s agent=%s peer=%s op=%s path=%s blocks=%d bytes=%d state=%s "
+            log.log(level, "transfer id=%s agent=%s peer=%s op=%s path=%s copy=%s blocks=%d bytes=%d state=%s "
                     "seconds=%.6f error=%s%s", transfer.id, self.agent, transfer.peer, transfer.op.value, path,
-                    transfer.num_blocks, transfer.nbytes, state, transfer.elapsed, err or "-",
-                    f' message="{transfer.error}"' if err else "")
+                    transfer.copy_path or "-", transfer.num_blocks, transfer.nbytes, state, transfer.elapsed,
+                    err or "-", f' message="{transfer.error}"' if err else "")
         if not self._m:
             return
         op = transfer.op.value

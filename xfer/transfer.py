@@ -47,16 +47,19 @@ class Transfer:
     """Handle of one posted block-list transfer.
 
     ``nbytes`` is the payload (all layers and K/V of every block). ``path`` names the transport
-    that carries it and why it was chosen.
+    that carries it and why it was chosen. ``copy_path`` names what moved the bytes where the
+    transport says (``xfer.kernels.CopyPath`` values: ``triton``, ``copy_engine_batch``,
+    ``copy_engine_2d``, ...), else None.
     """
 
-    __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "deadline", "created",
+    __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "copy_path", "deadline", "created",
                  "finished", "_state", "_error", "_cancel_requested", "_cond", "_on_cancel",
                  "_keepalive", "_observer", "marks")
 
     def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
         self.id = f"{next(_ids):x}-{time.monotonic_ns() & 0xFFFFFFFF:08x}"
         self.peer, self.op, self.num_blocks, self.nbytes, self.path = peer, op, num_blocks, nbytes, path
+        self.copy_path: str | None = None
         self.created = time.monotonic()
         self.deadline = self.created + timeout
         self.finished: float | None = None

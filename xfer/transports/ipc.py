@@ -1,8 +1,10 @@
 """The ``ipc`` transport: CUDA IPC between processes of one node. The initiator maps the peer's
 registered device memory once (through torch's own CUDA IPC: legacy ``cudaIpcMemHandle`` of the
 allocation base plus the offset in it, or the shareable handles of expandable segments) and
-one ``copy_blocks`` launch reads (pull) or writes (push) the peer's blocks directly through the
-UVA/P2P mapping, on a dedicated stream. No staging. One-sided: see
+``copy_blocks`` reads (pull) or writes (push) the peer's blocks directly through the UVA/P2P
+mapping, on a dedicated stream: one Triton launch, or the copy engines (``cudaMemcpyBatchAsync``
+/ ``cudaMemcpy2DAsync``) as ``AgentConfig.copy_path`` / ``XFER_COPY_PATH`` / the auto table say;
+``Transfer.path`` names the one used and why. No staging. One-sided: see
 :mod:`xfer.transports.onesided`.
 
 The handle kind is reported per region (``handle``: ``legacy`` or ``expandable``); when two GPUs
@@ -57,6 +59,7 @@ def _uuid(index: int) -> str:
 
 class IpcTransport(OneSidedTransport):
     kind = TransportKind.IPC
+    describe_copy = True  # Transfer.path: "ipc (copy: <CopyPath value>; <why>)"
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

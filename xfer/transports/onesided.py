@@ -22,9 +22,19 @@ from .notify import notify_peer
 
 __all__ = ["OneSidedTransport"]
 
+_REQUESTABLE = ("triton", "copy_engine_batch", "copy_engine_2d")  # CopyPath values a copy may be asked for
+
 
 class OneSidedTransport(Transport):
-    """Subclasses say how to reach a peer region's base tensors (``map_peer``)."""
+    """Subclasses say how to reach a peer region's base tensors (``map_peer``).
+
+    Every transfer's copies go by the path ``AgentConfig.copy_path`` requests (None:
+    ``XFER_COPY_PATH``, else auto: see :mod:`xfer.kernels`); the path chosen is recorded on
+    ``Transfer.copy_path`` and, where ``describe_copy`` is set, in ``Transfer.path`` with the
+    reason (``ipc (copy: copy_engine_batch; auto (default table): 32768-byte slices d2h -> ...)``).
+    """
+
+    describe_copy = False
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -139,7 +149,7 @@ class OneSidedTransport(Transport):
 
     def _launch(self, job: Job):
         """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
-        from xfer.kernels import copy_blocks
+        from xfer.kernels import copy_blocks, select_path
 
         peer_tensors = self._peer_tensors(job)
         local, rec, t = job.local, job.peer_region, job.transfer
@@ -149,6 +159,11 @@ class OneSidedTransport(Transport):
         else:
             src, src_t, src_ids, dst, dst_t, dst_ids = rec.layout, peer_tensors, job.peer_ids, local.layout, \
                 local.tensors, job.local_ids
+        request = self.ctx.config.copy_path
+        chosen, why = select_path(src_t, dst_t, src_layout=src, dst_layout=dst, path=request)
+        t.copy_path = chosen.value
+        if self.describe_copy:
+            t.path = f"{self.kind.value} (copy: {chosen.value}; {why})"
         stream = self.stream(job)
         if stream is None:  # copies on this thread: chunks let cancel, deadline and peer death stop it
             per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
@@ -165,6 +180,7 @@ class OneSidedTransport(Transport):
             # the completer holds the event (and through it every tensor) until the copy ended:
             # no record_stream per call
             event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream,
-                                wait_event=ready, record_stream=False)
+                                wait_event=ready, record_stream=False,
+                                path=chosen if chosen.value in _REQUESTABLE else request)
             ready = None
         return event
