@@ -127,16 +127,18 @@ def _pow2_floor(x: int) -> int:
 class CopyPlan:
     """A block copy resolved to addresses and tables, ready to launch (again) on the current stream.
 
-    ``table``: int64 ``[2*slots + 2*n]`` on the launch device: slot addresses, then block ids.
+    ``table``: int64 ``[2*slots]`` on the launch device: slot addresses (sources, then
+    destinations); ``ids``: int64 ``[2*n]``: source block ids, then destination block ids.
     """
 
-    __slots__ = ("table", "n", "slots", "sizes", "s_str", "d_str", "run_words", "word_bytes", "align",
+    __slots__ = ("table", "ids", "n", "slots", "sizes", "s_str", "d_str", "run_words", "word_bytes", "align",
                  "interpret", "device")
 
     def __init__(self, table: torch.Tensor, n: int, slots: int, geometry, word_bytes: int, align: int,
-                 interpret: bool) -> None:
+                 interpret: bool, ids: torch.Tensor | None = None) -> None:
         run_bytes, self.sizes, s_str, d_str = geometry
         self.table, self.n, self.slots = table, n, slots
+        self.ids = table[2 * slots:] if ids is None else ids
         self.word_bytes, self.align, self.interpret = word_bytes, align, interpret
         self.s_str = tuple(x // word_bytes for x in s_str)
         self.d_str = tuple(x // word_bytes for x in d_str)
@@ -176,7 +178,7 @@ class CopyPlan:
         if num_warps is None:  # a warp per KiB of tile: 2 16-byte vectors a thread
             num_warps = max(2, min(16, rows * chunk * self.word_bytes // 1024))
         n_rows = self.n * self.slots * math.prod(self.sizes) * chunks
-        args = (self.table, self.table[2 * self.slots:], self.n, n_rows, self.s_str[0], self.d_str[0],
+        args = (self.table, self.ids, self.n, n_rows, self.s_str[0], self.d_str[0],
                 self.s_str[1], self.d_str[1], self.s_str[2], self.d_str[2], self.s_str[3], self.d_str[3],
                 self.slots, *self.sizes, self.run_words, chunk, chunks, rows, _WORDS[self.word_bytes],
                 self.word_bytes, self.align)
@@ -215,3 +217,34 @@ def prepare(src_layout: KVLayout, src_addr: np.ndarray, src_ids: np.ndarray, dst
         staged.numpy()[:] = host
         table = staged.to(device, non_blocking=True)  # the host allocator keeps `staged` until copied
     return CopyPlan(table, len(src_ids), src_layout.num_slots, geometry, min(align, 8), align, interpret)
+
+
+class PairTables:
+    """What a copy between two fixed sides needs besides the block ids, built once: the kernel
+    geometry, the common alignment of every address and stride, and the slot-address table
+    already on the device. A repeat copy between the same caches then uploads only its ids."""
+
+    __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots")
+
+    def __init__(self, src_layout: KVLayout, src_addr: np.ndarray, dst_layout: KVLayout, dst_addr: np.ndarray,
+                 device: torch.device) -> None:
+        self.src_layout, self.dst_layout, self.device = src_layout, dst_layout, device
+        self.geometry = _geometry(src_layout, dst_layout)
+        run_bytes, _, s_str, d_str = self.geometry
+        addr = np.concatenate([src_addr, dst_addr]).astype(np.int64, copy=False)
+        g = int(np.gcd.reduce(np.concatenate([addr, [MAX_ALIGN, run_bytes, *s_str, *d_str]])))
+        self.align = g & -g
+        self.slots = src_layout.num_slots
+        self.table = torch.from_numpy(addr.copy()).to(device)  # once per pair: a blocking upload is fine
+
+    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyPlan:
+        """A plan for *validated* ids: one small pinned upload of the ids on the current stream."""
+        if SORT_BY_DESTINATION and len(dst_ids) > 1:
+            order = np.argsort(dst_ids)
+            src_ids, dst_ids = src_ids[order], dst_ids[order]
+        n = len(src_ids)
+        staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+        host = staged.numpy()
+        host[:n], host[n:] = src_ids, dst_ids
+        ids = staged.to(self.device, non_blocking=True)  # the host allocator keeps `staged` until copied
+        return CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False, ids=ids)

@@ -603,14 +603,28 @@ CUDA, PINNED = ("cuda", False), ("cpu", True)
 
 
 def test_auto_table_default(engines):
-    from xfer.kernels._dispatch import _choose
-    assert _choose(CUDA, CUDA, 32768, None)[0] is CopyPath.TRITON  # device<->device: the kernel
+    from xfer.kernels._dispatch import _choose, set_copy_table
+    # the default (measured on the H200): the kernel in every direction and size
+    for a, b in ((CUDA, CUDA), (CUDA, PINNED), (PINNED, CUDA)):
+        for size in (None, 512, 4096, 32768):
+            path, why = _choose(a, b, size, None)
+            assert path is CopyPath.TRITON and "default table" in why
     assert _choose(CUDA, CUDA, 512, "auto")[0] is CopyPath.TRITON
-    assert _choose(CUDA, PINNED, 512, None)[0] is CopyPath.TRITON  # small slices to host: the kernel
-    path, why = _choose(CUDA, PINNED, 4096, None)
-    assert path is CopyPath.COPY_ENGINE_BATCH and "d2h" in why and "default table" in why
-    assert _choose(PINNED, CUDA, 32768, None)[0] is CopyPath.COPY_ENGINE_BATCH
-    assert _choose(PINNED, CUDA, None, None)[0] is CopyPath.TRITON  # size unknown: the first row
+    # a calibrated table that prefers the copy engine for large host<->device slices
+    set_copy_table({"d2h": [[0, "kernel"], [4096, "batch"]], "h2d": [[0, "kernel"], [4096, "batch"]]})
+    try:
+        assert _choose(CUDA, PINNED, 512, None)[0] is CopyPath.TRITON  # small slices to host: the kernel
+        path, why = _choose(CUDA, PINNED, 4096, None)
+        assert path is CopyPath.COPY_ENGINE_BATCH and "d2h" in why and "set_copy_table" in why
+        assert _choose(PINNED, CUDA, 32768, None)[0] is CopyPath.COPY_ENGINE_BATCH
+        assert _choose(PINNED, CUDA, None, None)[0] is CopyPath.TRITON  # size unknown: the first row
+        _fallbacks(engines)
+    finally:
+        set_copy_table(None)
+
+
+def _fallbacks(engines):
+    from xfer.kernels._dispatch import _choose
     engines["batch"] = "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
     path, why = _choose(PINNED, CUDA, 32768, None)
     assert path is CopyPath.COPY_ENGINE_2D and "12.8" in why
@@ -694,7 +708,7 @@ def test_calibration_table_from_measurements(engines):
     set_copy_table(table, source="calibration")
     assert _choose(CUDA, PINNED, 8192, None)[0] is CopyPath.COPY_ENGINE_2D
     assert _choose(CUDA, PINNED, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH
-    assert _choose(PINNED, CUDA, 65536, None)[0] is CopyPath.COPY_ENGINE_BATCH  # h2d: still the default
+    assert _choose(PINNED, CUDA, 65536, None)[0] is CopyPath.TRITON  # h2d: still the default (the kernel)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
