@@ -274,6 +274,14 @@ def _pe_main(conn, group_kw, config_kw):
 
     agents, caches = {}, {}  # name -> Agent; (agent, region) -> (tensors, layout)
 
+    def _thread_stacks() -> str:  # where this PE's threads are when a transfer failed
+        import sys
+        import threading
+        import traceback
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"--- {names.get(i, i)}\n" + "".join(traceback.format_stack(f)[-6:])
+                         for i, f in sys._current_frames().items() if "xfer" in names.get(i, ""))
+
     def handle(cmd, a):
         if cmd == "diagnostics":
             return diagnostics()
@@ -309,7 +317,8 @@ def _pe_main(conn, group_kw, config_kw):
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed}
             except Exception as exc:  # noqa: BLE001 - reported as data
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed, "error": type(exc).__name__,
-                        "message": str(exc)}
+                        "message": str(exc), "words": tr.rt.describe() if hasattr(tr.rt, "describe") else "",
+                        "lanes": repr(getattr(tr.rt, "lanes", None)), "threads": _thread_stacks()}
         if cmd == "bytes":
             _sync()
             return [byte_view(t).cpu().numpy().copy() for t in caches[a["agent"], a["region"]][0]]

@@ -291,6 +291,11 @@ class Lanes:
         self._lanes: dict[tuple[bool, int, int], _Lane] = {}
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        with self._lock:
+            lanes = list(self._lanes.values())
+        return "Lanes(" + ", ".join(f"{lane!r} pending={len(lane.pending)}" for lane in lanes) + ")"
+
     def send(self, dst: int, role: int) -> _Lane:
         return self._get(True, dst, role)
 
