@@ -73,7 +73,7 @@ _ENGINE_MODE = {CopyPath.COPY_ENGINE_BATCH: "batch", CopyPath.COPY_ENGINE_2D: "2
 _REQUEST_OF = {CopyPath.TRITON: "kernel", **_ENGINE_MODE}
 DIRECTIONS = ("d2d", "d2h", "h2d")
 # direction -> ((minimum slice bytes, path), ...) ascending: the last row a copy's slices reach wins.
-# Measured on the H200 (bench/results/2026-12-02-h200-ipc.json, copy_calibrate): the kernel beat
+# Measured on the H200 (bench/results/2026-12-02-h200-ipc-copy-paths.json, -copy-calibration.txt): the kernel beat
 # cudaMemcpyBatchAsync, 2D and per-run copies at every slice size and direction of the seed case
 # (16,384 slices): 32 KiB d2h 0.89 vs 0.79 of a contiguous pinned copy, h2d 0.93 vs 0.84; d2d and
 # IPC the copy engines reach < 1 % (each run costs the engines ~4 us). So: the kernel everywhere.
