@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         router.close()
         report["swap_stats"] = router.stats()
     print("per decode instance, whole session: " + ", ".join(
-        f"{n}: {s.get('swaps', 0)} swaps, {s.get('swap_seconds', 0.0):.3f} s" for n, s in report["swap_stats"].items()))
+        f"{n}: {s.get('swaps', 0)} swaps, {s.get('swap_seconds', 0.0):.3f} s, {s.get('decode_steps', 0)} decode steps "
+        f"of {s.get('mean_batch', 0.0):.1f} requests on average (max {s.get('max_batch', 0)})"
+        for n, s in report["swap_stats"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

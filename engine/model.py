@@ -11,7 +11,7 @@ import torch
 
 from .config import ModelFamily, ModelSpec
 
-__all__ = ["build_model", "hf_config", "cache_kwarg", "next_token_logits", "hf_generate"]
+__all__ = ["build_model", "hf_config", "cache_kwarg", "next_token_logits", "mask_dtype", "hf_generate"]
 
 
 def hf_config(spec: ModelSpec):
@@ -62,10 +62,19 @@ def cache_kwarg(model) -> str:
 
 
 @torch.inference_mode()
-def next_token_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Run ``input_ids`` ([B, S] int64) through ``model`` on ``cache``; logits of the last position, [B, V] float."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+def next_token_logits(model, input_ids: torch.Tensor, cache, **inputs) -> torch.Tensor:
+    """Run ``input_ids`` ([B, S] int64) through ``model`` on ``cache``; logits of the last position, [B, V] float.
+
+    ``inputs``: more forward arguments, e.g. a :class:`PagedCache`'s ``model_inputs`` (per-row
+    positions and mask) for rows of different lengths.
+    """
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}, **inputs)
     return out.logits[:, -1, :].float()
+
+
+def mask_dtype(model) -> torch.dtype:
+    """The attention-mask dtype the model's attention takes: bool for ``sdpa``, else an additive float mask."""
+    return torch.bool if model.config._attn_implementation == "sdpa" else model.dtype
 
 
 @torch.inference_mode()

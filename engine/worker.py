@@ -121,4 +121,7 @@ def _decode(name: str, store, store_url: str, cfg: dict) -> None:
 
 def _decode_stats(inst: DecodeInstance) -> dict:
     sw = inst.swapper
-    return {"swaps": sw.count if sw else 0, "swap_seconds": sw.total_seconds if sw else 0.0}
+    steps = sum(inst.batch_sizes.values())
+    return {"swaps": sw.count if sw else 0, "swap_seconds": sw.total_seconds if sw else 0.0, "decode_steps": steps,
+            "mean_batch": sum(b * n for b, n in inst.batch_sizes.items()) / steps if steps else 0.0,
+            "max_batch": max(inst.batch_sizes, default=0)}

@@ -11,6 +11,14 @@ from xfer.engine.model import build_model, hf_generate
 from xfer.engine.protocol import Request
 from xfer.engine.router import Router, prestart
 
+from helpers import one_torch_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(request):
+    one_torch_thread(request)
+
+
 prestart()  # the forkserver imports torch + transformers while the first tests run
 
 
