@@ -70,3 +70,19 @@ def test_two_processes_over_cuda_ipc_equal_hf():
     model = build_model(BF16, "cuda")
     for r, x in zip(reqs, results, strict=True):
         assert x["tokens"] == hf_generate(model, r.prompt, 12), r.id
+
+
+def test_tensor_parallel_prefill_processes_on_one_gpu_equal_hf():
+    """Two sharded prefill rank processes on the same GPU (gloo all-reduce of CUDA tensors), each
+    writing its kv-head slice into the decode blocks over CUDA IPC."""
+    from xfer.engine.router import Router
+
+    pool = PoolSpec(num_blocks=64, block_size=16, device="cuda")
+    reqs = requests(BF16, [5, 100, 300], 12, seed=2)
+    with Router(BF16, num_prefill=1, num_decode=1, prefill_tp=2, prefill_pool=pool, decode_pool=pool,
+                start_timeout_s=240) as router:
+        results = router.run(reqs, timeout=120)
+        assert router.info("prefill-0.r1")["heads"] == [2, 4]
+    model = build_model(BF16, "cuda")
+    for r, x in zip(reqs, results, strict=True):
+        assert x["tokens"] == hf_generate(model, r.prompt, 12), r.id

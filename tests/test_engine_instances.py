@@ -129,6 +129,8 @@ def test_each_layer_is_its_own_transfer(model, make, hold_last):
 
 @pytest.mark.parametrize("wait", list(WaitMode))
 def test_prefill_heads_split_over_two_ranks_join_on_decode(model, make, wait):
+    """Two ranks in one process: each runs the full forward but holds and sends only its kv-heads
+    (real TP, a sharded model per rank process: test_engine_router)."""
     shards = [(0, 1), (1, 2)]
     ranks = [make(PrefillInstance, f"p{r}", heads=h, rank=r) for r, h in enumerate(shards)]
     d = make(DecodeInstance, "d", shards=shards, wait=wait)

@@ -61,6 +61,23 @@ def test_layer_wait_and_swap_across_processes_qwen2():
     assert sum(x["swaps"] for x in results) >= 1 and stats["decode-0"]["swaps"] >= 2
 
 
+@pytest.mark.parametrize("family", ["tiny", "tiny-qwen2"])
+def test_tensor_parallel_prefill_ranks_in_two_processes_join_on_decode(family):
+    """Prefill sharded over two rank processes (each computes half the heads and half the MLP, one
+    all-reduce per sub-layer through gloo) streams its kv-head slice into the decode blocks."""
+    spec = PRESETS[family]
+    reqs = requests(spec, [5, 17, 33, 8], 10, f"tp-{family}")
+    with Router(spec, num_prefill=1, num_decode=1, prefill_tp=2, wait=WaitMode.LAYER,
+                prefill_pool=PoolSpec(num_blocks=32, block_size=8),
+                decode_pool=PoolSpec(num_blocks=32, block_size=8)) as router:
+        assert sorted(router.procs) == ["decode-0", "prefill-0", "prefill-0.r1"]
+        ranks = [router.info(n) for n in ("prefill-0", "prefill-0.r1")]
+        assert [r["heads"] for r in ranks] == [[0, 1], [1, 2]] and [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["backend"] == "gloo" and r["row_parallel_linears"] == 2 * spec.num_layers for r in ranks)
+        results = router.run(reqs, rate=50.0)
+    check(spec, reqs, results)
+
+
 def test_a_killed_instance_is_reported_and_the_rest_stopped():
     import os
     import signal
