@@ -225,7 +225,7 @@ class DecodeInstance:
                 for s in landing:
                     self._wait_layer(s, layer)
         cache = PagedCache(self.pool, [s.blocks for s in batch], [s.length for s in batch], before_layer=hook)
-        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long).to(self.device, non_blocking=True)
+        ids = self.pool.to_device(torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long))
         logits = next_token_logits(self.model, ids, cache, **cache.model_inputs(1, mask_dtype=mask_dtype(self.model)))
         tokens = logits.argmax(-1).tolist()  # the one host sync of the step
         now = time.time()

@@ -97,7 +97,8 @@ class KVPool:
     # would stall the CPU behind the GPU and leave launch gaps in the forward. On a GPU they are
     # staged through pinned memory (torch's caching host allocator: no allocation after warm-up),
     # so the copy is queued without waiting for the stream.
-    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the pool's device, queued without waiting for the stream."""
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True)
         return x
@@ -112,26 +113,26 @@ class KVPool:
         bs = self.block_size
         if count == 1:  # a decode step: plain lists beat a few small tensor ops per row
             ids = [[t[p // bs] for t, p in zip(tables, starts, strict=True)], [p % bs for p in starts]]
-            both = self._to_device(torch.tensor(ids, dtype=torch.long))
+            both = self.to_device(torch.tensor(ids, dtype=torch.long))
             return both[0], both[1]
         parts = []
         for table, start in zip(tables, starts, strict=True):
             pos = torch.arange(start, start + count)
             parts.append(torch.stack([torch.as_tensor(table, dtype=torch.long)[pos // bs], pos % bs]))
-        both = self._to_device(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        both = self.to_device(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         return both[0], both[1]
 
     def table_tensor(self, table: Sequence[int], length: int) -> torch.Tensor:
         """The blocks holding tokens ``0..length-1``: int64 ``[ceil(length / block_size)]`` on the device."""
         nb = -(-length // self.block_size)
-        return self._to_device(torch.as_tensor(table[:nb], dtype=torch.long))
+        return self.to_device(torch.as_tensor(table[:nb], dtype=torch.long))
 
     def table_batch(self, tables: Sequence[Sequence[int]], length: int) -> torch.Tensor:
         """``[B, ceil(length / block_size)]`` block ids; a row with fewer blocks repeats its first block
         (padding the attention mask hides: every block holds finite values, the pool starts zeroed)."""
         nb = -(-length // self.block_size)
         rows = [list(t[:nb]) + [t[0]] * (nb - min(nb, len(t))) for t in tables]
-        return self._to_device(torch.tensor(rows, dtype=torch.long))
+        return self.to_device(torch.tensor(rows, dtype=torch.long))
 
     def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
               value: torch.Tensor) -> None:

@@ -177,7 +177,8 @@ class PagedCache(Cache):
         if self.uniform:
             return {}
         device = device or self.pool.device
-        lengths = torch.tensor(self.lengths, dtype=torch.long).to(device, non_blocking=True)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        lengths = self.pool.to_device(lengths) if device == self.pool.device else lengths.to(device)
         q = torch.arange(s, device=device)
         pos = lengths[:, None] + q[None, :]  # [B, s]
         keys = torch.arange(self.max_length + s, device=device)

@@ -20,7 +20,7 @@ from .config import ModelSpec, PoolSpec
 from .kv_pool import KVPool
 from .model import build_model, next_token_logits
 from .paged_cache import PagedCache
-from .streamer import LayerStreamer
+from .streamer import LayerStreamer, Poster
 
 __all__ = ["PrefillInstance", "PrefillResult", "Lease"]
 
@@ -89,11 +89,14 @@ class PrefillInstance:
         self.last_streamer: LayerStreamer | None = None  # the latest request's (its transfers, for benchmarks)
         self.agent = Agent(name, agent_config or AgentConfig(default_timeout_s=transfer_timeout_s))
         self.pool.register(self.agent)
+        self.poster = Poster(f"stream-{name}") if self.device.type == "cuda" else None
 
     def __repr__(self) -> str:
         return f"PrefillInstance({self.name!r}, rank={self.rank}, {self.blocks}, leases={len(self.leases)})"
 
     def close(self) -> None:
+        if self.poster is not None:
+            self.poster.close()
         self.agent.close()
 
     # ---- admission ---------------------------------------------------------------------------
@@ -119,7 +122,8 @@ class PrefillInstance:
         if stream:
             streamer = LayerStreamer(self.agent, peer, req, table, dst_blocks[:len(table)], rank=self.rank,
                                      num_layers=self.spec.num_layers, peer_heads=peer_heads,
-                                     timeout=self.transfer_timeout_s, device=self.device, hold_last=self.hold_last)
+                                     timeout=self.transfer_timeout_s, device=self.device, hold_last=self.hold_last,
+                                     poster=self.poster)
             self.last_streamer = streamer
         cache = PagedCache(self.pool, [table], after_layer=streamer.layer_done if streamer else None,
                            heads=self.heads)

@@ -171,3 +171,18 @@ def test_partial_head_cache_serves_prefill_only(models):
     assert torch.equal(pool.read(0, table, 6)[0], full.read(0, table, 6)[0][1:2])
     with pytest.raises(InvalidArgumentError, match="needs all 2"):
         next_token_logits(model, torch.tensor([[1]]), cache)
+
+
+def test_poster_runs_in_order_flushes_and_keeps_the_first_error():
+    from xfer.engine.streamer import Poster
+
+    poster, seen = Poster(), []
+    try:
+        for i in range(5):
+            poster.put(None, seen.append, i)
+        poster.put(None, lambda: 1 / 0)
+        poster.put(None, seen.append, 5)
+        assert poster.flush(5.0) and seen == list(range(6))
+        assert isinstance(poster.error, ZeroDivisionError)
+    finally:
+        poster.close()
