@@ -112,15 +112,17 @@ class LayerStreamer:
         """Send the first token and wait until every layer landed; returns that time.
 
         With ``hold_last`` the token rides on the held last layer's write (one write, after the
-        lm_head); without, it goes at once as a zero-block write and the last layer is not held
-        back (the decode side counts layers and token separately, in any order). Raises the first
+        lm_head); without, the last layer is not held back (its copy overlaps the last MLP and the
+        lm_head) and the token goes at once as an ``Agent.send`` message (the decode side counts
+        layers and token separately, in any order, and reads no KV before every layer landed). Raises the first
         transfer's typed error (TransferTimeoutError, PeerDisconnectedError, ...).
         """
         note = None
         if token is not None:
             note = TokenNote(req=self.req, token=int(token), t_start=t_start, t_forward=t_forward, rank=self.rank)
             if self.last is None:
-                self._post(0, encode(note), blocks=False)
+                # a control message straight to the peer: it does not queue behind the layers' copies
+                self.agent.send(self.peer, encode(note), timeout=self.timeout)
         if self._poster is not None and not self._poster.flush(self.timeout):
             raise TransferTimeoutError(f"request {self.req}: layers not posted within {self.timeout} s")
         if self._error is None and self._poster is not None and self._poster.error is not None:
