@@ -134,8 +134,14 @@ class DecodeInstance:
         return list(seq.blocks)
 
     def admit_waiting(self) -> list[tuple[Request, list[int]]]:
-        """Admit submitted requests in order while they fit."""
+        """Admit submitted requests in order while they fit; fail at once one that could never fit."""
         out = []
+        while self.waiting and self.blocks_needed(self.waiting[0]) > self.blocks.num_blocks:
+            req = self.waiting.popleft()
+            seq = Sequence(req, [])
+            self.seqs[req.id] = seq
+            self.abort(req.id, f"OutOfBlocksError: request {req.id} needs {self.blocks_needed(req)} blocks, the "
+                               f"decode pool of {self.name!r} has {self.blocks.num_blocks}")
         while self.waiting and self.can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             out.append((req, self.admit(req)))

@@ -59,7 +59,7 @@ class Router:
                  prefill_pool: PoolSpec | None = None, decode_pool: PoolSpec | None = None,
                  wait: WaitMode = WaitMode.REQUEST, swap_blocks: int = 0, lease_s: float = 30.0,
                  threads: int = 1, start_timeout_s: float = 120.0, store_url: str = "tcp://127.0.0.1:0",
-                 prefill_tp: int = 1):
+                 prefill_tp: int = 1, decode_max_batch: int = 64):
         prefill_pool, decode_pool = prefill_pool or PoolSpec(), decode_pool or PoolSpec()
         self.store = open_store(store_url)
         shards = []
@@ -70,7 +70,7 @@ class Router:
         self.cfg = {"model": model.to_dict(), "prefill_pool": prefill_pool.to_dict(),
                     "decode_pool": decode_pool.to_dict(), "wait": WaitMode(wait).value,
                     "swap_blocks": swap_blocks, "lease_s": lease_s, "threads": threads, "tp": prefill_tp,
-                    "shards": shards}
+                    "shards": shards, "max_batch": decode_max_batch}
         self.prefills = [f"prefill-{i}" for i in range(num_prefill)]  # instances, or TP group leaders (rank 0)
         ranks = {f"{p}.r{r}": {"tp_rank": r, "tp_leader": p} for p in self.prefills for r in range(1, prefill_tp)}
         ranks.update({p: {"tp_rank": 0, "tp_leader": p} for p in self.prefills})

@@ -15,7 +15,9 @@ What is real and what is not: the weights are built whole and then cut (a rank b
 full model; fine for the random models here, a loader would read only its shard); the all-reduce
 runs through ``torch.distributed`` (gloo between CPU processes or ranks sharing one GPU, nccl for
 one GPU per rank). Partial sums make the logits differ from the unsharded model by float rounding,
-as in any TP engine: tests compare greedy tokens, which this does not change on the test models.
+as in any TP engine. Tests compare greedy tokens in float32, where that rounding is far below the
+top-2 logit gaps; in bfloat16 the random test models have steps whose top-2 gap is one bf16 ulp,
+and there any other summation order (sharded or not) may pick the other, tied, token.
 """
 
 from __future__ import annotations
@@ -45,18 +47,30 @@ def shard_heads(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_shard @ W[:, shard].T) + b``: the input-dim slice of a Linear, summed over ranks."""
+    """``y = all_reduce(x_shard @ W[:, shard].T) + b``: the input-dim slice of a Linear, summed over ranks.
 
-    def __init__(self, linear: nn.Linear, lo: int, hi: int, group=None, keep_bias: bool = True):
+    For a half-precision model the partial products are summed in float32 (weights kept in
+    float32, the all-reduce in float32, one rounding to the model dtype at the end): the unsharded
+    GEMM also accumulates in float32 and rounds once, so the sharded layer differs from it only by
+    summation order, not by two extra bf16 roundings of the partial sums (which flip greedy
+    tokens of the test models). ``accumulate=None`` keeps the model dtype (what a fast engine does).
+    """
+
+    def __init__(self, linear: nn.Linear, lo: int, hi: int, group=None, keep_bias: bool = True,
+                 accumulate: torch.dtype | None = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight[:, lo:hi].contiguous(), requires_grad=False)
+        dtype = linear.weight.dtype
+        self.acc = accumulate if accumulate is not None and dtype.itemsize < accumulate.itemsize else None
+        weight = linear.weight[:, lo:hi].contiguous()
+        self.weight = nn.Parameter(weight if self.acc is None else weight.to(self.acc), requires_grad=False)
         self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
                      if linear.bias is not None and keep_bias else None)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x if self.acc is None else x.to(self.acc), self.weight)
         torch.distributed.all_reduce(y, group=self.group)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -106,6 +106,12 @@ def _prefill(name: str, store, store_url: str, cfg: dict) -> None:
                 continue
             for req in inst.expire_leases():
                 forward({"type": "release", "id": req})
+            if pending and blocks_for(len(pending[0]["prompt"]), pool.block_size) > pool.num_blocks:
+                msg = pending.popleft()  # could never fit: fail it now rather than wait forever
+                send(store, msg["decode"], {"type": "abort", "id": msg["id"], "error": (
+                    f"OutOfBlocksError: a {len(msg['prompt'])}-token prompt needs more than the "
+                    f"{pool.num_blocks} blocks of prefill instance {name!r}")})
+                continue
             if pending and inst.blocks.can_allocate(blocks_for(len(pending[0]["prompt"]), pool.block_size)):
                 msg = pending.popleft()
                 forward(msg)
@@ -139,7 +145,8 @@ def _decode(name: str, store, store_url: str, cfg: dict) -> None:
     swap_blocks = cfg.get("swap_blocks", 0)
     inst = DecodeInstance(name, ModelSpec.from_dict(cfg["model"]), PoolSpec.from_dict(cfg["decode_pool"]),
                           wait=WaitMode(cfg.get("wait", "request")), swap_blocks=swap_blocks,
-                          on_ready=ready, on_finish=finish, shards=cfg.get("shards") or None)
+                          on_ready=ready, on_finish=finish, shards=cfg.get("shards") or None,
+                          max_batch=int(cfg.get("max_batch", 64)))
     inbox = Inbox(store_url, name)
     inst.agent.publish(store)
     store.set(f"ready/{name}", b"1")

@@ -64,18 +64,34 @@ def test_layer_wait_and_swap_across_processes_qwen2():
 @pytest.mark.parametrize("family", ["tiny", "tiny-qwen2"])
 def test_tensor_parallel_prefill_ranks_in_two_processes_join_on_decode(family):
     """Prefill sharded over two rank processes (each computes half the heads and half the MLP, one
-    all-reduce per sub-layer through gloo) streams its kv-head slice into the decode blocks."""
+    all-reduce per sub-layer through gloo) streams its kv-head slice into the decode blocks.
+
+    float32: sharding changes the summation order of o_proj / down_proj, which moves logits by
+    float rounding; in float32 that is far below the top-2 gaps. (In bfloat16 the random test
+    models have top-2 gaps of one bf16 ulp at some steps, so any other summation order may pick the
+    other token: those are ties, not transfer errors, and are not asserted.)"""
     spec = PRESETS[family]
     reqs = requests(spec, [5, 17, 33, 8], 10, f"tp-{family}")
     with Router(spec, num_prefill=1, num_decode=1, prefill_tp=2, wait=WaitMode.LAYER,
-                prefill_pool=PoolSpec(num_blocks=32, block_size=8),
-                decode_pool=PoolSpec(num_blocks=32, block_size=8)) as router:
+                prefill_pool=PoolSpec(num_blocks=48, block_size=8),
+                decode_pool=PoolSpec(num_blocks=48, block_size=8)) as router:
         assert sorted(router.procs) == ["decode-0", "prefill-0", "prefill-0.r1"]
         ranks = [router.info(n) for n in ("prefill-0", "prefill-0.r1")]
-        assert [r["heads"] for r in ranks] == [[0, 1], [1, 2]] and [r["rank"] for r in ranks] == [0, 1]
+        half = spec.num_kv_heads // 2
+        assert [r["heads"] for r in ranks] == [[0, half], [half, 2 * half]] and [r["rank"] for r in ranks] == [0, 1]
         assert all(r["backend"] == "gloo" and r["row_parallel_linears"] == 2 * spec.num_layers for r in ranks)
         results = router.run(reqs, rate=50.0)
     check(spec, reqs, results)
+
+
+def test_a_request_that_can_never_fit_fails_at_once():
+    spec = PRESETS["tiny"]
+    big, small = requests(spec, [80, 5], 4, "fit")
+    with Router(spec, prefill_pool=PoolSpec(num_blocks=32, block_size=8),
+                decode_pool=PoolSpec(num_blocks=8, block_size=8)) as router:
+        results = router.run([big, small], timeout=30)
+    assert results[0]["error"].startswith("OutOfBlocksError") and results[0]["tokens"] == []
+    check(spec, [small], results[1:])
 
 
 def test_a_killed_instance_is_reported_and_the_rest_stopped():
