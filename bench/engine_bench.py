@@ -191,7 +191,7 @@ def swap(args) -> dict:
         for i, rate in enumerate(rates):
             reqs = _requests(args.swap_requests, spec.vocab_size, (lo, hi), args.swap_new, seed=i, tag=f"swap{i}")
             t = time.time()
-            results = router.run(reqs, rate=rate, timeout=args.swap_timeout)
+            results = router.run(reqs, rate=rate, timeout=args.swap_timeout, total_timeout=args.swap_timeout)
             s = {"rate": rate, "wall_s": time.time() - t, **summarize(results)}
             out["runs"].append(s)
             print(f"{rate:>7g} {1e3 * s['ttft_s_p50']:>6.1f} ms {1e3 * s['ttft_s_p99']:>6.1f} ms "
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--swap-new", type=int, default=32)
     ap.add_argument("--swap-decode-blocks", type=int, default=None, help="default: 160 cuda, 24 cpu")
     ap.add_argument("--swap-host-blocks", type=int, default=None, help="default: 4x the decode blocks")
-    ap.add_argument("--swap-timeout", type=float, default=60.0, help="seconds per rate's run")
+    ap.add_argument("--swap-timeout", type=float, default=60.0, help="seconds per rate's run (all its requests)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     gpu = args.device.startswith("cuda")

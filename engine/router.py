@@ -133,8 +133,12 @@ class Router:
                 if time.monotonic() > deadline:
                     raise StoreTimeoutError(f"no result for request {req_id!r} within {timeout:g} s") from None
 
-    def run(self, requests: list[Request], rate: float | None = None, timeout: float = 120.0) -> list[dict]:
-        """Submit ``requests`` at ``rate`` per second (Poisson arrivals; None: all at once); their results."""
+    def run(self, requests: list[Request], rate: float | None = None, timeout: float = 120.0,
+            total_timeout: float | None = None) -> list[dict]:
+        """Submit ``requests`` at ``rate`` per second (Poisson arrivals; None: all at once); their results.
+
+        ``timeout``: seconds to wait for each result; ``total_timeout``: for all of them, from the first submit.
+        """
         import random
 
         rng = random.Random(0)
@@ -145,7 +149,10 @@ class Router:
                 at += rng.expovariate(rate)
                 time.sleep(max(0.0, start + at - time.time()))
             self.submit(req)
-        return [self.result(r.id, timeout) for r in requests]
+        if total_timeout is None:
+            return [self.result(r.id, timeout) for r in requests]
+        end = start + total_timeout
+        return [self.result(r.id, max(0.0, min(timeout, end - time.time()))) for r in requests]
 
     def info(self, name: str) -> dict:
         """What instance ``name`` published at start (a prefill rank: its kv-heads, TP rank and backend)."""

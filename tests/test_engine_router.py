@@ -108,3 +108,20 @@ def test_a_killed_instance_is_reported_and_the_rest_stopped():
         with pytest.raises(WorkerFailedError, match="decode-0.*exit code -9"):
             router.result("k0", timeout=30)
     assert not any(p.is_alive() for p in procs)
+
+
+def test_engine_bench_runs_on_cpu(tmp_path):
+    """The benchmark's both modes, CPU-sized: interleaved TTFT with paired statistics, swap vs rate."""
+    import json
+
+    from xfer.bench.engine_bench import main
+
+    out = tmp_path / "engine.json"
+    assert main(["--mode", "all", "--model", "tiny", "--prompt", "48", "--new", "6", "--device", "cpu", "--iters", "3",
+                 "--warmup", "1", "--swap-requests", "6", "--swap-rates", "100", "--swap-new", "12",
+                 "--swap-decode-blocks", "10", "--swap-timeout", "60", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["correct"] and set(r["variants"]) == {"token on last layer", "token message"}
+    v = r["variants"]["token message"]
+    assert v["added_ms"]["n"] == 3 and v["tail_ms"]["median"] >= 0 and len(r["no_transfer_runs_ms"]) == 3
+    assert len(r["swap"]["runs"]) == 1 and r["swap"]["runs"][0]["requests"] == 6
