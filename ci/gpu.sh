@@ -52,7 +52,9 @@ for step in $what; do
       rc=$((rc | $?)); tail -40 "$OUT/xfer-bench.log" ;;&
     engine|all)
       run_step python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
-        | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+        | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]}))
+      run_step python3 -m xfer.bench.engine_bench --mode swap --device cuda --out "$OUT/engine-swap.json" 2>&1 \
+        | tee "$OUT/engine-swap.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
 if [ -n "${XFER_GPU_BUNDLE:-}" ]; then
