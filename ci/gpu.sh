@@ -59,7 +59,9 @@ for step in $what; do
       run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     engine|all)
       run_step ENGINE python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
-        | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+        | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]}))
+      run_step SWAP python3 -m xfer.bench.engine_bench --mode swap --device cuda --out "$OUT/engine-swap.json" 2>&1 \
+        | tee "$OUT/engine-swap.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
 if [ -n "${XFER_GPU_BUNDLE:-}" ]; then

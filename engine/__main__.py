@@ -2,6 +2,7 @@
 
     python -m xfer.engine --prefill 2 --decode 2 --requests 16 --rate 8
     python -m xfer.engine --rates 4,8,16 --decode-blocks 24 --swap-blocks 64   # swap cost vs rate
+    python -m xfer.engine --prefill 1 --prefill-tp 2 --decode 1 --check        # TP-sharded prefill ranks
 
 Prints TTFT, TPOT and the KV-transfer share of TTFT (p50 / p99), and with --check verifies every
 request's tokens against single-process ``model.generate``. ``--out FILE.json`` keeps the numbers.
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prefill", type=int, default=2, help="prefill instances (processes)")
     ap.add_argument("--decode", type=int, default=2, help="decode instances (processes)")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel rank processes per prefill instance")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     ap.add_argument("--rates", default="", help="comma-separated rates: one run each (swap cost vs rate)")
@@ -68,16 +70,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from .router import Router
 
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)  # the --check reference: tiny matmuls only lose from a second thread
+
     spec = PRESETS[args.model]
     lo, hi = (int(x) for x in args.prompt.split(","))
     pool = dict(block_size=args.block_size, device=args.device)
     rates = [float(x) for x in args.rates.split(",") if x] or [args.rate]
-    print(f"model {args.model} ({spec.num_layers} layers, {spec.num_kv_heads} kv heads), {args.prefill} prefill + "
+    print(f"model {args.model} ({spec.num_layers} layers, {spec.num_kv_heads} kv heads), {args.prefill} prefill "
+          f"(x{args.prefill_tp} TP ranks) + "
           f"{args.decode} decode instances, prompts {lo}-{hi} tokens, {args.max_new} new tokens each")
     print(f"{'rate/s':>10} {'reqs':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT ms':>8} {'xfer ms':>9} "
           f"{'xfer %':>8} {'swaps':>5} {'swap s':>7}")
     report, failures = {"args": vars(args), "runs": []}, 0
-    with Router(spec, num_prefill=args.prefill, num_decode=args.decode, wait=WaitMode(args.wait),
+    with Router(spec, num_prefill=args.prefill, num_decode=args.decode, wait=WaitMode(args.wait), prefill_tp=args.prefill_tp,
                 prefill_pool=PoolSpec(num_blocks=args.prefill_blocks, **pool),
                 decode_pool=PoolSpec(num_blocks=args.decode_blocks, **pool), swap_blocks=args.swap_blocks) as router:
         for i, rate in enumerate(rates):
@@ -92,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         router.close()
         report["swap_stats"] = router.stats()
     print("per decode instance, whole session: " + ", ".join(
-        f"{n}: {s.get('swaps', 0)} swaps, {s.get('swap_seconds', 0.0):.3f} s" for n, s in report["swap_stats"].items()))
+        f"{n}: {s.get('swaps', 0)} swaps, {s.get('swap_seconds', 0.0):.3f} s, {s.get('decode_steps', 0)} decode steps "
+        f"of {s.get('mean_batch', 0.0):.1f} requests on average (max {s.get('max_batch', 0)})"
+        for n, s in report["swap_stats"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,6 +1,7 @@
 """A decode instance: admits a request only when its blocks fit (back-pressure), receives its KV from
-prefill instances layer by layer, decodes greedily on the paged pool, frees, and under memory
-pressure swaps whole requests to host memory and back (``swap.Swapper``).
+prefill instances layer by layer, decodes greedily on the paged pool with continuous batching (every
+running request's next token in one forward; requests join and leave between steps), frees, and
+under memory pressure swaps whole requests to host memory and back (``swap.Swapper``).
 
 A request's life: ``submit`` -> waiting -> ``admit`` (blocks allocated; the caller tells a prefill
 instance where to write) -> WAITING_KV -> RUNNING (all layers landed and the first token came, or
@@ -24,7 +25,7 @@ from xfer.errors import TransferTimeoutError
 from .block_manager import BlockManager, blocks_for
 from .config import ModelSpec, PoolSpec, WaitMode
 from .kv_pool import KVPool
-from .model import build_model, next_token_logits
+from .model import build_model, mask_dtype, next_token_logits
 from .paged_cache import PagedCache
 from .protocol import LayerNote, Request, decode
 from .swap import SwapHandle, Swapper
@@ -43,7 +44,7 @@ class State(enum.IntEnum):
 
 @dataclass
 class Sequence:
-    """A request on this instance: its block table (shared by reference with its cache) and progress."""
+    """A request on this instance: its block table (grown in place; a swap-in replaces its contents) and progress."""
 
     req: Request
     blocks: list[int]
@@ -51,7 +52,6 @@ class Sequence:
     length: int = 0  # tokens whose KV is in the blocks
     tokens: list[int] = field(default_factory=list)  # generated so far (the first came from prefill)
     landed: collections.Counter = field(default_factory=collections.Counter)  # layer -> shards landed
-    cache: PagedCache | None = None
     host_blocks: list[int] = field(default_factory=list)
     swap: SwapHandle | None = None
     swaps: int = 0
@@ -78,12 +78,14 @@ class DecodeInstance:
     host blocks for swapping (0: no swap; each request then reserves its blocks for all its tokens).
     on_ready(seq): called once a request's KV landed (the confirmation a prefill lease waits for);
     on_finish(seq): called when a request finished or failed, its blocks already freed.
+    max_batch: at most this many requests decode in one forward (continuous batching: requests join
+    and leave between steps).
     """
 
     def __init__(self, name: str, model: ModelSpec, pool: PoolSpec, *, wait: WaitMode = WaitMode.REQUEST,
                  shards: list[tuple[int, int]] | None = None, swap_blocks: int = 0, layer_timeout_s: float = 30.0,
                  agent_config: AgentConfig | None = None, on_ready: Callable | None = None,
-                 on_finish: Callable | None = None, torch_model=None):
+                 on_finish: Callable | None = None, torch_model=None, max_batch: int = 64):
         self.name, self.spec, self.wait = name, model, WaitMode(wait)
         self.device = torch.device(pool.device)
         self.model = torch_model if torch_model is not None else build_model(model, self.device)
@@ -98,6 +100,9 @@ class DecodeInstance:
         self.waiting: collections.deque[Request] = collections.deque()
         self.seqs: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
+        self.max_batch = max_batch
+        self.batch_sizes: collections.Counter = collections.Counter()  # forward batch size -> steps
+        self.recent_batches: collections.deque = collections.deque(maxlen=256)  # request ids of recent steps
 
     def __repr__(self) -> str:
         states = collections.Counter(s.state.name for s in self.seqs.values())
@@ -129,8 +134,14 @@ class DecodeInstance:
         return list(seq.blocks)
 
     def admit_waiting(self) -> list[tuple[Request, list[int]]]:
-        """Admit submitted requests in order while they fit."""
+        """Admit submitted requests in order while they fit; fail at once one that could never fit."""
         out = []
+        while self.waiting and self.blocks_needed(self.waiting[0]) > self.blocks.num_blocks:
+            req = self.waiting.popleft()
+            seq = Sequence(req, [])
+            self.seqs[req.id] = seq
+            self.abort(req.id, f"OutOfBlocksError: request {req.id} needs {self.blocks_needed(req)} blocks, the "
+                               f"decode pool of {self.name!r} has {self.blocks.num_blocks}")
         while self.waiting and self.can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             out.append((req, self.admit(req)))
@@ -179,8 +190,6 @@ class DecodeInstance:
 
     def _start(self, seq: Sequence) -> None:
         seq.length = len(seq.req.prompt)
-        hook = (lambda layer, s=seq: self._wait_layer(s, layer)) if self.wait is WaitMode.LAYER else None
-        seq.cache = PagedCache(self.pool, [seq.blocks], seq.length, before_layer=hook)
         seq.state = State.RUNNING
         if len(seq.tokens) >= seq.req.max_new_tokens:
             self._finish(seq)
@@ -195,23 +204,46 @@ class DecodeInstance:
 
     # ---- decoding ----------------------------------------------------------------------------
     def step(self) -> int:
-        """One decode step of every running request that has its blocks; returns tokens produced."""
+        """One decode step of every running request that has its blocks, in one forward; returns tokens made.
+
+        Continuous batching: the batch is whatever is RUNNING now (up to ``max_batch``, oldest
+        first); requests that arrived since the last step join, finished ones have left. Rows
+        have their own lengths: the paged cache gives per-row positions and a padding mask.
+        With ``WaitMode.LAYER`` a request whose KV is still landing joins too, and the forward
+        waits at each layer until that layer of every such request landed.
+        """
         self._reap_swaps()
         self._schedule_swaps()
-        made = 0
-        for seq in [s for s in self.seqs.values() if s.state is State.RUNNING]:
-            if not self.blocks.can_append(seq.blocks, seq.length):
-                continue  # waits for blocks (freed by a finishing or swapped-out request)
+        batch = []
+        for seq in self.seqs.values():
+            if len(batch) == self.max_batch:
+                break
+            if seq.state is not State.RUNNING or not self.blocks.can_append(seq.blocks, seq.length):
+                continue  # not running, or waits for blocks (freed by a finishing or swapped-out request)
             self.blocks.append(seq.blocks, seq.length)
-            ids = torch.tensor([[seq.tokens[-1]]], dtype=torch.long, device=self.device)
-            token = int(next_token_logits(self.model, ids, seq.cache).argmax(-1)[0])
+            batch.append(seq)
+        if not batch:
+            return 0
+        landing = [s for s in batch if not s.confirmed]
+        hook = None
+        if landing and self.wait is WaitMode.LAYER:
+            def hook(layer, landing=landing):
+                for s in landing:
+                    self._wait_layer(s, layer)
+        cache = PagedCache(self.pool, [s.blocks for s in batch], [s.length for s in batch], before_layer=hook)
+        ids = self.pool.to_device(torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long))
+        logits = next_token_logits(self.model, ids, cache, **cache.model_inputs(1, mask_dtype=mask_dtype(self.model)))
+        tokens = logits.argmax(-1).tolist()  # the one host sync of the step
+        now = time.time()
+        self.batch_sizes[len(batch)] += 1
+        self.recent_batches.append(tuple(s.id for s in batch))
+        for seq, token in zip(batch, tokens, strict=True):
             seq.length += 1
             seq.tokens.append(token)
-            seq.token_times.append(time.time())
-            made += 1
+            seq.token_times.append(now)
             if len(seq.tokens) >= seq.req.max_new_tokens:
                 self._finish(seq)
-        return made
+        return len(batch)
 
     def abort(self, req_id: str, reason: str) -> bool:
         """Fail a request (e.g. its prefill could not deliver); frees its blocks. False if unknown."""
@@ -226,7 +258,7 @@ class DecodeInstance:
         self.blocks.free(seq.blocks if seq.blocks else [])
         if seq.host_blocks and self.swapper is not None:
             self.swapper.blocks.free(seq.host_blocks)
-        seq.state, seq.cache = State.FINISHED, None
+        seq.state = State.FINISHED
         seq.times["done"] = time.time()
         del self.seqs[seq.id]
         self.finished.append(seq)

@@ -64,7 +64,7 @@ class KVPool:
     """
 
     def __init__(self, model: ModelSpec, pool: PoolSpec, *, heads: tuple[int, int] | None = None,
-                 empty=torch.empty, device: str | None = None):
+                 empty=torch.empty, device: str | None = None, zero: bool = True):
         self.model, self.spec = model, pool
         self.heads = heads or (0, model.num_kv_heads)
         if not 0 <= self.heads[0] < self.heads[1] <= model.num_kv_heads:
@@ -74,6 +74,9 @@ class KVPool:
             pool.layout, num_layers=model.num_layers, num_blocks=pool.num_blocks, block_size=pool.block_size,
             num_heads=self.heads[1] - self.heads[0], head_dim=model.head_dim, dtype=model.torch_dtype,
             device=self.device, empty=empty)
+        if zero:
+            for t in self.tensors:
+                t.zero_()  # padding rows of a batched read gather unused slots: keep them finite
         self.views = self.layout.views(self.tensors)
 
     def __repr__(self) -> str:
@@ -89,36 +92,75 @@ class KVPool:
         return self.heads[1] - self.heads[0]
 
     # ---- tokens in and out -----------------------------------------------------------------
-    # Index tensors are built once per forward (``slots`` / ``table_tensor``) and reused by every
-    # layer: a host->device copy of a pageable table waits for the stream, which per layer would
-    # stall the CPU behind the GPU and leave launch gaps in the forward.
+    # Index tensors are built once per forward (``slots_batch`` / ``table_batch``) and reused by
+    # every layer: a host->device copy of a pageable table waits for the stream, which per layer
+    # would stall the CPU behind the GPU and leave launch gaps in the forward. On a GPU they are
+    # staged through pinned memory (torch's caching host allocator: no allocation after warm-up),
+    # so the copy is queued without waiting for the stream.
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the pool's device, queued without waiting for the stream."""
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x
+
     def slots(self, table: Sequence[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block ids, offsets in block) of tokens ``start..start+count-1``: two int64 ``[count]`` device tensors."""
-        pos = torch.arange(start, start + count)
-        blocks = torch.as_tensor(table, dtype=torch.long)[pos // self.block_size]
-        return blocks.to(self.device, non_blocking=True), (pos % self.block_size).to(self.device, non_blocking=True)
+        return self.slots_batch([table], [start], count)
+
+    def slots_batch(self, tables: Sequence[Sequence[int]], starts: Sequence[int],
+                    count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of ``count`` new tokens after ``starts[b]`` in every row ``b``, row-major: ``[B * count]`` each."""
+        bs = self.block_size
+        if count == 1:  # a decode step: plain lists beat a few small tensor ops per row
+            ids = [[t[p // bs] for t, p in zip(tables, starts, strict=True)], [p % bs for p in starts]]
+            both = self.to_device(torch.tensor(ids, dtype=torch.long))
+            return both[0], both[1]
+        parts = []
+        for table, start in zip(tables, starts, strict=True):
+            pos = torch.arange(start, start + count)
+            parts.append(torch.stack([torch.as_tensor(table, dtype=torch.long)[pos // bs], pos % bs]))
+        both = self.to_device(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return both[0], both[1]
 
     def table_tensor(self, table: Sequence[int], length: int) -> torch.Tensor:
         """The blocks holding tokens ``0..length-1``: int64 ``[ceil(length / block_size)]`` on the device."""
         nb = -(-length // self.block_size)
-        return torch.as_tensor(table[:nb], dtype=torch.long).to(self.device, non_blocking=True)
+        return self.to_device(torch.as_tensor(table[:nb], dtype=torch.long))
+
+    def table_batch(self, tables: Sequence[Sequence[int]], length: int) -> torch.Tensor:
+        """``[B, ceil(length / block_size)]`` block ids; a row with fewer blocks repeats its first block
+        (padding the attention mask hides: every block holds finite values, the pool starts zeroed)."""
+        nb = -(-length // self.block_size)
+        rows = [list(t[:nb]) + [t[0]] * (nb - min(nb, len(t))) for t in tables]
+        return self.to_device(torch.tensor(rows, dtype=torch.long))
 
     def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
               value: torch.Tensor) -> None:
         """Store tokens at ``slots`` (from :meth:`slots`); key, value: ``[H, S, C]``, H this pool's heads."""
+        self.write_tokens(layer, slots, key.transpose(0, 1), value.transpose(0, 1))
+
+    def write_tokens(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
+                     value: torch.Tensor) -> None:
+        """Store tokens at ``slots``; key, value: ``[T, H, C]`` (token-major), T the number of slots."""
         blocks, offs = slots
         for kv, x in enumerate((key, value)):
-            self.views[2 * layer + kv][blocks, offs] = x.transpose(0, 1).to(self.layout.dtype)  # [S, H, C]
+            self.views[2 * layer + kv][blocks, offs] = x.to(self.layout.dtype)
 
     def read(self, layer: int, table_t: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``0..length-1`` as contiguous K and V, each ``[H, length, C]``.
 
         table_t: from :meth:`table_tensor`.
         """
+        k, v = self.read_batch(layer, table_t[None], length)
+        return k[0], v[0]
+
+    def read_batch(self, layer: int, table_b: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``0..length-1`` of every row of ``table_b`` (from :meth:`table_batch`): K, V ``[B, H, length, C]``."""
         out = []
+        b = table_b.shape[0]
         for kv in range(2):
-            x = self.views[2 * layer + kv][table_t]  # [nb, N, H, C] (a copy)
-            out.append(x.reshape(-1, self.num_heads, x.shape[-1])[:length].transpose(0, 1).contiguous())
+            x = self.views[2 * layer + kv][table_b]  # [B, nb, N, H, C] (a copy)
+            out.append(x.reshape(b, -1, self.num_heads, x.shape[-1])[:, :length].transpose(1, 2).contiguous())
         return out[0], out[1]
 
     # ---- regions -----------------------------------------------------------------------------

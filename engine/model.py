@@ -11,7 +11,8 @@ import torch
 
 from .config import ModelFamily, ModelSpec
 
-__all__ = ["build_model", "hf_config", "cache_kwarg", "next_token_logits", "hf_generate"]
+__all__ = ["build_model", "hf_config", "cache_kwarg", "next_token_logits", "mask_dtype", "hf_generate",
+           "hf_generate_margins"]
 
 
 def hf_config(spec: ModelSpec):
@@ -62,10 +63,19 @@ def cache_kwarg(model) -> str:
 
 
 @torch.inference_mode()
-def next_token_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Run ``input_ids`` ([B, S] int64) through ``model`` on ``cache``; logits of the last position, [B, V] float."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+def next_token_logits(model, input_ids: torch.Tensor, cache, **inputs) -> torch.Tensor:
+    """Run ``input_ids`` ([B, S] int64) through ``model`` on ``cache``; logits of the last position, [B, V] float.
+
+    ``inputs``: more forward arguments, e.g. a :class:`PagedCache`'s ``model_inputs`` (per-row
+    positions and mask) for rows of different lengths.
+    """
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}, **inputs)
     return out.logits[:, -1, :].float()
+
+
+def mask_dtype(model) -> torch.dtype:
+    """The attention-mask dtype the model's attention takes: bool for ``sdpa``, else an additive float mask."""
+    return torch.bool if model.config._attn_implementation == "sdpa" else model.dtype
 
 
 @torch.inference_mode()
@@ -75,3 +85,18 @@ def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def hf_generate_margins(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Like :func:`hf_generate`, plus each step's gap between the top two logits (a small gap is a
+    near-tie that float rounding of another, equally valid, kernel order may flip)."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None, output_logits=True,
+                         return_dict_in_generate=True)
+    margins = []
+    for logits in out.logits:
+        top = logits[0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return out.sequences[0, len(prompt):].tolist(), margins

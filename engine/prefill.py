@@ -20,7 +20,7 @@ from .config import ModelSpec, PoolSpec
 from .kv_pool import KVPool
 from .model import build_model, next_token_logits
 from .paged_cache import PagedCache
-from .streamer import LayerStreamer
+from .streamer import LayerStreamer, Poster
 
 __all__ = ["PrefillInstance", "PrefillResult", "Lease"]
 
@@ -51,14 +51,22 @@ class PrefillResult:
 class PrefillInstance:
     """Prefill on ``pool`` blocks, streaming to decode peers through ``self.agent``.
 
-    heads: the kv-head range this instance computes and sends (a TP rank's share; None: all);
+    Tensor parallel, two ways:
+
+    - ``tp=(rank, world)``: real TP. This process is rank ``rank`` of a ``torch.distributed``
+      group of ``world`` prefill processes (joined beforehand, ``tp.init_group``); its model is
+      sharded (``tp.shard_model``: its share of attention and MLP, all-reduced per layer), so it
+      computes and holds only kv-heads ``tp.shard_heads(...)`` and streams that slice.
+    - ``heads=(h0, h1)`` alone: a rank that runs the *full* forward but holds and sends only
+      kv-heads ``[h0, h1)`` (no process group needed; what the in-process tests use).
+
     rank: its TP rank (rank 0 also sends the first token). lease_s: how long source blocks wait
     for the decode side's confirmation.
     """
 
     def __init__(self, name: str, model: ModelSpec, pool: PoolSpec, *, heads: tuple[int, int] | None = None,
                  rank: int = 0, lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 agent_config: AgentConfig | None = None, torch_model=None):
+                 agent_config: AgentConfig | None = None, torch_model=None, tp: tuple[int, int] | None = None):
         self.name, self.spec, self.rank, self.heads = name, model, rank, heads
         self.lease_s, self.transfer_timeout_s = lease_s, transfer_timeout_s
         # True: hold the last layer's write until the first token is known and send both in one
@@ -68,6 +76,12 @@ class PrefillInstance:
         self.hold_last = True
         self.device = torch.device(pool.device)
         self.model = torch_model if torch_model is not None else build_model(model, self.device)
+        self.tp = tuple(tp) if tp else (0, 1)
+        if self.tp[1] > 1:
+            from .tp import shard_model
+
+            self.rank = self.tp[0]
+            self.heads = heads = shard_model(self.model, *self.tp)
         self.pool = KVPool(model, pool, heads=heads)
         self.blocks = BlockManager(pool.num_blocks, pool.block_size)
         self.leases: dict[str, Lease] = {}
@@ -75,11 +89,14 @@ class PrefillInstance:
         self.last_streamer: LayerStreamer | None = None  # the latest request's (its transfers, for benchmarks)
         self.agent = Agent(name, agent_config or AgentConfig(default_timeout_s=transfer_timeout_s))
         self.pool.register(self.agent)
+        self.poster = Poster(f"stream-{name}") if self.device.type == "cuda" else None
 
     def __repr__(self) -> str:
         return f"PrefillInstance({self.name!r}, rank={self.rank}, {self.blocks}, leases={len(self.leases)})"
 
     def close(self) -> None:
+        if self.poster is not None:
+            self.poster.close()
         self.agent.close()
 
     # ---- admission ---------------------------------------------------------------------------
@@ -105,7 +122,8 @@ class PrefillInstance:
         if stream:
             streamer = LayerStreamer(self.agent, peer, req, table, dst_blocks[:len(table)], rank=self.rank,
                                      num_layers=self.spec.num_layers, peer_heads=peer_heads,
-                                     timeout=self.transfer_timeout_s, device=self.device, hold_last=self.hold_last)
+                                     timeout=self.transfer_timeout_s, device=self.device, hold_last=self.hold_last,
+                                     poster=self.poster)
             self.last_streamer = streamer
         cache = PagedCache(self.pool, [table], after_layer=streamer.layer_done if streamer else None,
                            heads=self.heads)

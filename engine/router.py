@@ -46,6 +46,10 @@ def _context():
 class Router:
     """``num_prefill`` prefill + ``num_decode`` decode processes on this host.
 
+    ``prefill_tp`` > 1: each prefill instance is a tensor-parallel group of that many rank
+    processes (``<name>``, ``<name>.r1``, ...; ``tp`` module), each streaming its kv-head slice
+    into the decode instances' blocks, which join the slices.
+
     Requests go to decode instances round-robin (each admits when its blocks fit and queues
     otherwise: back-pressure) with a prefill instance chosen round-robin. Use as a context manager:
     ``close`` stops every process it started.
@@ -54,22 +58,32 @@ class Router:
     def __init__(self, model: ModelSpec, *, num_prefill: int = 1, num_decode: int = 1,
                  prefill_pool: PoolSpec | None = None, decode_pool: PoolSpec | None = None,
                  wait: WaitMode = WaitMode.REQUEST, swap_blocks: int = 0, lease_s: float = 30.0,
-                 threads: int = 1, start_timeout_s: float = 120.0, store_url: str = "tcp://127.0.0.1:0"):
+                 threads: int = 1, start_timeout_s: float = 120.0, store_url: str = "tcp://127.0.0.1:0",
+                 prefill_tp: int = 1, decode_max_batch: int = 64):
         prefill_pool, decode_pool = prefill_pool or PoolSpec(), decode_pool or PoolSpec()
         self.store = open_store(store_url)
+        shards = []
+        if prefill_tp > 1:
+            from .tp import shard_heads
+
+            shards = [shard_heads(model.num_kv_heads, r, prefill_tp) for r in range(prefill_tp)]
         self.cfg = {"model": model.to_dict(), "prefill_pool": prefill_pool.to_dict(),
                     "decode_pool": decode_pool.to_dict(), "wait": WaitMode(wait).value,
-                    "swap_blocks": swap_blocks, "lease_s": lease_s, "threads": threads}
-        self.prefills = [f"prefill-{i}" for i in range(num_prefill)]
+                    "swap_blocks": swap_blocks, "lease_s": lease_s, "threads": threads, "tp": prefill_tp,
+                    "shards": shards, "max_batch": decode_max_batch}
+        self.prefills = [f"prefill-{i}" for i in range(num_prefill)]  # instances, or TP group leaders (rank 0)
+        ranks = {f"{p}.r{r}": {"tp_rank": r, "tp_leader": p} for p in self.prefills for r in range(1, prefill_tp)}
+        ranks.update({p: {"tp_rank": 0, "tp_leader": p} for p in self.prefills})
         self.decodes = [f"decode-{i}" for i in range(num_decode)]
         self.procs: dict[str, mp.Process] = {}
         self._closed = False
         self._next_p, self._next_d = itertools.cycle(self.prefills), itertools.cycle(self.decodes)
         ctx = _context()
         try:
-            for name in self.prefills + self.decodes:
-                role = "prefill" if name in self.prefills else "decode"
-                proc = ctx.Process(target=_worker_entry, args=(role, name, self.store.endpoint, self.cfg),
+            for name in [*sorted(ranks), *self.decodes]:
+                role = "prefill" if name in ranks else "decode"
+                proc = ctx.Process(target=_worker_entry, args=(role, name, self.store.endpoint,
+                                                               {**self.cfg, **ranks.get(name, {})}),
                                    name=name, daemon=True)
                 proc.start()
                 self.procs[name] = proc
@@ -119,8 +133,12 @@ class Router:
                 if time.monotonic() > deadline:
                     raise StoreTimeoutError(f"no result for request {req_id!r} within {timeout:g} s") from None
 
-    def run(self, requests: list[Request], rate: float | None = None, timeout: float = 120.0) -> list[dict]:
-        """Submit ``requests`` at ``rate`` per second (Poisson arrivals; None: all at once); their results."""
+    def run(self, requests: list[Request], rate: float | None = None, timeout: float = 120.0,
+            total_timeout: float | None = None) -> list[dict]:
+        """Submit ``requests`` at ``rate`` per second (Poisson arrivals; None: all at once); their results.
+
+        ``timeout``: seconds to wait for each result; ``total_timeout``: for all of them, from the first submit.
+        """
         import random
 
         rng = random.Random(0)
@@ -131,7 +149,14 @@ class Router:
                 at += rng.expovariate(rate)
                 time.sleep(max(0.0, start + at - time.time()))
             self.submit(req)
-        return [self.result(r.id, timeout) for r in requests]
+        if total_timeout is None:
+            return [self.result(r.id, timeout) for r in requests]
+        end = start + total_timeout
+        return [self.result(r.id, max(0.0, min(timeout, end - time.time()))) for r in requests]
+
+    def info(self, name: str) -> dict:
+        """What instance ``name`` published at start (a prefill rank: its kv-heads, TP rank and backend)."""
+        return json.loads(self.store.try_get(f"info/{name}") or b"{}")
 
     def stats(self) -> dict:
         """Per decode instance: swaps and seconds spent swapping (available after ``close``)."""

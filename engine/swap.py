@@ -61,7 +61,7 @@ class Swapper:
     def __init__(self, pool: KVPool, num_host_blocks: int):
         self.pool = pool
         host_spec = pool.spec.with_blocks(num_host_blocks)
-        self.host = KVPool(pool.model, host_spec, heads=pool.heads, device="cpu",
+        self.host = KVPool(pool.model, host_spec, heads=pool.heads, device="cpu", zero=False,
                            empty=pinned_empty if pool.device.type == "cuda" else torch.empty)
         self.blocks = BlockManager(num_host_blocks, pool.block_size)
         self.on_gpu = pool.device.type == "cuda"

@@ -147,3 +147,14 @@ class PeerProcess:
 
 def local_config(**kw) -> AgentConfig:
     return AgentConfig(**kw)
+
+
+def one_torch_thread(request) -> None:
+    """Run a test module on one intra-op thread, restoring the count after it (a fixture body).
+
+    The engine's tiny models do microsecond matmuls: on a small, shared CI machine a second
+    OpenMP thread makes each one wait on a busy core (measured 17x slower on 2 loaded cores).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))

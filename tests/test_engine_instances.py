@@ -15,6 +15,14 @@ from xfer.engine.prefill import PrefillInstance
 from xfer.engine.protocol import Request, TokenNote, decode
 from xfer.errors import XferError
 
+from helpers import one_torch_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(request):
+    one_torch_thread(request)
+
+
 SPEC = PRESETS["tiny"]
 POOL = PoolSpec(num_blocks=32, block_size=8)
 
@@ -75,6 +83,26 @@ def test_layerwise_stream_then_decode_equals_hf(model, make, wait):
     check(model, reqs, done)
     assert d.blocks.num_free == POOL.num_blocks and p.blocks.num_free == POOL.num_blocks
     assert all(s.times["ready"] >= s.times["forward"] for s in done.values())
+    assert max(d.batch_sizes) == 4  # all four decoded in one forward
+
+
+def test_continuous_batching_requests_join_and_leave(model, make):
+    """Decode batches whatever runs: requests of different lengths and budgets leave as they finish and
+    queued ones join between steps, each still equal to its own single-process HF generation."""
+    d = make(DecodeInstance, "d", pool=PoolSpec(num_blocks=14, block_size=8))
+    p = make(PrefillInstance, "p")
+    p.agent.connect(d.agent.metadata())
+    reqs = requests([3, 12, 30, 7, 19, 40], seed=4)
+    for r, n in zip(reqs, [4, 12, 8, 10, 6, 9]):
+        r.max_new_tokens = n
+    done = drive(d, [p], reqs)
+    check(model, reqs, done)
+    batches = list(d.recent_batches)
+    assert max(map(len, batches)) >= 3
+    late = [r.id for r in reqs if done[r.id].times["admit"] > min(s.times["done"] for s in done.values())]
+    assert late, "some request should have waited for blocks"
+    assert any(set(late) & set(b) and set(b) - set(late) for b in batches)  # a late one decoded beside an early one
+    assert d.blocks.num_free == 14
 
 
 @pytest.mark.parametrize("hold_last", [False, True])
@@ -86,12 +114,13 @@ def test_each_layer_is_its_own_transfer(model, make, hold_last):
     blocks = d.admit(req)
     p.prefill(req.id, req.prompt, "d", blocks)
     notes = d.agent.notifications()
-    layers = notes if hold_last else notes[:-1]
+    layers = [n for n in notes if n.blocks.size]
     assert [n.region for n in layers] == [f"kv.{i}" for i in range(SPEC.num_layers)]
     assert all(n.blocks.tolist() == blocks[:3] for n in layers)
-    token = decode(notes[-1].payload)
-    assert isinstance(token, TokenNote) and token.layer == (SPEC.num_layers - 1 if hold_last else -1)
-    assert notes[-1].blocks.size == (3 if hold_last else 0)
+    (tok,) = [n for n in notes if isinstance(decode(n.payload), TokenNote)]
+    token = decode(tok.payload)
+    assert token.layer == (SPEC.num_layers - 1 if hold_last else -1)
+    assert tok.blocks.size == (3 if hold_last else 0) and (tok.op.value == "message") != hold_last
     for n in notes:
         d._take(decode(n.payload))
     while d.busy:
@@ -101,6 +130,8 @@ def test_each_layer_is_its_own_transfer(model, make, hold_last):
 
 @pytest.mark.parametrize("wait", list(WaitMode))
 def test_prefill_heads_split_over_two_ranks_join_on_decode(model, make, wait):
+    """Two ranks in one process: each runs the full forward but holds and sends only its kv-heads
+    (real TP, a sharded model per rank process: test_engine_router)."""
     shards = [(0, 1), (1, 2)]
     ranks = [make(PrefillInstance, f"p{r}", heads=h, rank=r) for r, h in enumerate(shards)]
     d = make(DecodeInstance, "d", shards=shards, wait=wait)

@@ -12,6 +12,14 @@ from xfer.engine.model import build_model, hf_generate, next_token_logits
 from xfer.engine.paged_cache import PagedCache
 from xfer.errors import InvalidArgumentError
 
+from helpers import one_torch_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(request):
+    one_torch_thread(request)
+
+
 LLAMA, QWEN2 = PRESETS["tiny"], PRESETS["tiny-qwen2"]
 
 
@@ -103,6 +111,33 @@ def test_paged_cache_any_layout(models, kind):
     assert out == hf_generate(model, tokens, 8)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_rows_of_different_lengths_equal_hf(models, family):
+    """One forward per step for rows of different lengths (per-row positions, padding mask) == HF per row."""
+    spec, model = models[family]
+    prompts = [prompt(n, seed=n) for n in (1, 6, 17, 33)]
+    pool = KVPool(spec, PoolSpec(num_blocks=32, block_size=8))
+    bm = BlockManager(32, 8)
+    tables = [bm.allocate(blocks_for(len(p), 8)) for p in prompts]
+    out = [[int(next_token_logits(model, torch.tensor([p]), PagedCache(pool, [t])).argmax())]
+           for p, t in zip(prompts, tables)]
+    lengths = [len(p) for p in prompts]
+    for _ in range(9):
+        for t, n in zip(tables, lengths):
+            bm.append(t, n)
+        cache = PagedCache(pool, tables, lengths)
+        inputs = cache.model_inputs(1)
+        assert inputs["attention_mask"].shape == (4, 1, 1, max(lengths) + 1)
+        logits = next_token_logits(model, torch.tensor([[o[-1]] for o in out]), cache, **inputs)
+        for o, t in zip(out, logits.argmax(-1).tolist()):
+            o.append(t)
+        lengths = [n + 1 for n in lengths]
+        assert cache.lengths == lengths
+    for p, o in zip(prompts, out):
+        assert o == hf_generate(model, p, 10)
+    assert PagedCache(pool, tables[:2], [5, 5]).model_inputs(1) == {}  # one length: HF's own mask path
+
+
 def test_paged_cache_holds_the_keys_hf_computes(models):
     spec, model = models["qwen2"]
     tokens = prompt(19, seed=2)
@@ -136,3 +171,18 @@ def test_partial_head_cache_serves_prefill_only(models):
     assert torch.equal(pool.read(0, table, 6)[0], full.read(0, table, 6)[0][1:2])
     with pytest.raises(InvalidArgumentError, match="needs all 2"):
         next_token_logits(model, torch.tensor([[1]]), cache)
+
+
+def test_poster_runs_in_order_flushes_and_keeps_the_first_error():
+    from xfer.engine.streamer import Poster
+
+    poster, seen = Poster(), []
+    try:
+        for i in range(5):
+            poster.put(None, seen.append, i)
+        poster.put(None, lambda: 1 / 0)
+        poster.put(None, seen.append, 5)
+        assert poster.flush(5.0) and seen == list(range(6))
+        assert isinstance(poster.error, ZeroDivisionError)
+    finally:
+        poster.close()
