@@ -7,6 +7,8 @@ supported with limited MPG runs" and **exits the process**, and the own-PE branc
 In that mode the lanes use these instead, on the same streams and the same symmetric words:
 
 - own-word writes: a one-element ``fill_`` of the word's tensor view, queued on the stream;
+- a peer's word (credits): a one-thread Triton kernel stores it through the ``nvshmem_ptr``
+  mapping (release order at system scope);
 - waits (``word >= value``): the CUDA driver's stream memory operation ``cuStreamWaitValue64``
   (GEQ; no SM is held), which is what NVSHMEM itself issues where it may. A self-test on a
   symmetric scratch word decides at start-up; where the driver refuses it, a one-warp Triton
@@ -49,6 +51,30 @@ def _spin_kernel():
             seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
 
     return wait_geq
+
+
+@functools.cache
+def _set_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["value"])
+    def set_word(word_ptr, value):
+        tl.atomic_xchg(word_ptr, value, sem="release", scope="sys")
+
+    return set_word
+
+
+class _Word:
+    """A raw device address as a Triton pointer argument (an int64 word; a peer's, mapped here)."""
+
+    dtype = torch.int64
+
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
 
 
 class MpgOps:
@@ -113,6 +139,14 @@ class MpgOps:
         view = self._view(addr)
         with torch.cuda.stream(stream):
             _spin_kernel()[(1,)](view, int(value), num_warps=1)
+
+    def set_remote(self, stream, mapped_addr: int, value: int) -> None:
+        """Queue on ``stream``: a peer PE's word, mapped here at ``mapped_addr`` (``nvshmem_ptr``),
+        := ``value``, with release order after this stream's earlier work. NVSHMEM 3.4.5's own
+        ``signal_op_on_stream`` issues ``cuStreamWriteValue64`` on the mapping, which fails in
+        limited MPG and exits the process."""
+        with torch.cuda.stream(stream):
+            _set_kernel()[(1,)](_Word(mapped_addr), int(value), num_warps=1)
 
     def set_own(self, stream, addr: int, value: int) -> None:
         """Queue on ``stream``: this PE's word at ``addr`` := ``value``."""

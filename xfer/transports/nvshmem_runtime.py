@@ -308,8 +308,15 @@ class Runtime:
             self._nvb.signal_wait_until_on_stream(addr, self._GE, value, stream.cuda_stream)
 
     def _set(self, stream, addr: int, value: int, pe: int) -> None:
-        if self._mpg is not None and pe == self.pe:  # NVSHMEM's own-PE branch fails in limited MPG
-            self._mpg.set_own(stream, addr, value)
+        if self._mpg is not None:  # NVSHMEM's cuStreamWriteValue64 fails in limited MPG and exits
+            if pe == self.pe:
+                self._mpg.set_own(stream, addr, value)
+                return
+            with self.lock:
+                mapped = int(self._nvb.ptr(addr, pe) or 0)
+            if not mapped:
+                raise TransportError(f"PE {pe}'s signal word is not mapped here (nvshmem_ptr returned NULL)")
+            self._mpg.set_remote(stream, mapped, value)
             return
         with self.lock:
             self._nvb.signal_op_on_stream(addr, value, self._SET, pe, stream.cuda_stream)
