@@ -106,7 +106,8 @@ class LayerStreamer:
         note = note or encode(LayerNote(req=self.req, layer=layer, rank=self.rank))
         self.transfers.append(self.agent.write(
             self.peer, self.src if blocks else [], self.dst if blocks else [], region=region_name(layer),
-            peer_region=region_name(layer, self.peer_heads), notify=note, timeout=self.timeout))
+            peer_region=region_name(layer, self.peer_heads), notify=note, timeout=self.timeout,
+            after=None))  # the poster waited for this layer's event: no ordering behind later layers
 
     def finish(self, token: int | None, t_start: float, t_forward: float) -> float:
         """Send the first token and wait until every layer landed; returns that time.

@@ -151,13 +151,19 @@ def test_bad_arguments(pair):
         pair.a.write(pair.peer, [0], [0], timeout=0)
     with pytest.raises(InvalidArgumentError, match="notify payload of 70000 bytes"):
         pair.a.write(pair.peer, [0], [0], notify=b"x" * 70000)
+    with pytest.raises(InvalidArgumentError, match="after must be 'stream', a torch.cuda.Event or None, got 'now'"):
+        pair.a.write(pair.peer, [0], [0], after="now")
+    with pytest.raises(InvalidArgumentError, match="after must be"):
+        pair.a.read(pair.peer, [0], [0], after=1.5)
+    pair.a.write(pair.peer, [1], [2], after=None).wait()  # host memory: no GPU ordering to add
+    assert_blocks_equal(pair.la, pair.ta, [1], pair.lb, pair.tb, [2])
     with pytest.raises(InvalidArgumentError, match="already registered"):
         pair.a.register("kv", pair.ta, pair.la)
     with pytest.raises(InvalidArgumentError, match="timeout_s"):
         AgentConfig(default_timeout_s=-1)
     with pytest.raises(InvalidArgumentError, match="transport must be one of"):
         AgentConfig(transport="carrier-pigeon")
-    assert_untouched(pair.lb, pair.tb, [])
+    assert_untouched(pair.lb, pair.tb, [2])
 
 
 def _stall_notifications(agent, seconds):

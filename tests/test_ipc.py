@@ -87,6 +87,37 @@ def test_push_and_pull_every_layout(kind, devs):
 
 @gpu
 @needs_cuda
+def test_write_orders_after_the_callers_stream():
+    """KV still being written on the caller's stream when write() is called: the copy waits for it
+    (after="stream", the default), or for an explicit event."""
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    dims = small_dims(kind, layers=4, blocks=16, bs=16, heads=4, hd=64)
+    peer = PeerProcess("decode", kind, dims, device="cuda:0", seed=None)
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        for t in tensors:
+            t.zero_()
+        torch.cuda.synchronize()
+        with Agent("prefill", AgentConfig(transport="ipc")) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            for i, mode in enumerate(["stream", "event"]):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the fill
+                for t in tensors:
+                    t.view(-1).view(torch.uint8).fill_(17 + i)
+                after = "stream"
+                if mode == "event":
+                    after = torch.cuda.Event()
+                    after.record()
+                agent.write(name, [3], [5 + i], after=after).wait()  # no synchronize by the caller
+                remote = peer.tensors()
+                assert_blocks_equal(layout, [t.cpu() for t in tensors], [3], peer.tensors_layout, remote, [5 + i])
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
 def test_seed_case_full_size_and_concurrency():
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # 32 KiB slices

@@ -272,20 +272,29 @@ class Agent:
 
     # ---- transfers ---------------------------------------------------------------------------
     def write(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
-              notify: bytes = b"", timeout: float | None = None) -> Transfer:
+              notify: bytes = b"", timeout: float | None = None, after="stream") -> Transfer:
         """Copy local blocks ``src_blocks`` onto the peer's blocks ``dst_blocks`` (all layers, K/V).
 
         The peer receives a :class:`Notification` carrying ``notify`` once every byte landed.
+        ``after`` (CUDA regions): ``"stream"`` (default) orders the copy after the work already
+        queued on the caller's current stream of the region's device (the KV a forward just
+        wrote); a ``torch.cuda.Event`` orders it after that event only; ``None`` adds no ordering
+        (the caller has synchronised). A pipelined producer should pass its per-layer event: the
+        whole stream would also hold the copy behind every later layer already queued.
         """
-        return self._post(Op.WRITE, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout)
+        return self._post(Op.WRITE, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout, after)
 
     def read(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
-             notify: bytes = b"", timeout: float | None = None) -> Transfer:
-        """Copy the peer's blocks ``src_blocks`` into local blocks ``dst_blocks``; the peer is notified."""
-        return self._post(Op.READ, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout)
+             notify: bytes = b"", timeout: float | None = None, after="stream") -> Transfer:
+        """Copy the peer's blocks ``src_blocks`` into local blocks ``dst_blocks``; the peer is notified.
+        ``after``: as for :meth:`write` (here it orders the overwrite of the local blocks)."""
+        return self._post(Op.READ, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout, after)
 
-    def _post(self, op, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout) -> Transfer:
+    def _post(self, op, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout,
+              after="stream") -> Transfer:
         self._check_open()
+        if not (after is None or (isinstance(after, str) and after == "stream") or isinstance(after, torch.cuda.Event)):
+            raise InvalidArgumentError(f"after must be 'stream', a torch.cuda.Event or None, got {after!r}")
         timeout = self.config.default_timeout_s if timeout is None else timeout
         if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
             raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
@@ -314,9 +323,12 @@ class Agent:
                 self._prune_at = max(64, 2 * len(self._inflight))
             self._inflight.add(transfer)
         ready = None
-        if local.device.type == "cuda":  # order after what the caller queued on its stream
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(local.device))
+        if local.device.type == "cuda" and after is not None:  # order after what the caller queued
+            if isinstance(after, torch.cuda.Event):
+                ready = after
+            else:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(local.device))
         transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
                            local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify), ready=ready))
         return transfer
