@@ -334,17 +334,19 @@ def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env):
             assert peer.call("connect", agent.metadata()) == "me"
             rng = np.random.default_rng(5)
             mine, theirs = rng.permutation(256), rng.permutation(256)
-            out, back = [], []  # (src ids, dst ids): 24 transfers of 1-8 blocks each way, disjoint destinations
-            for plan, perm in ((out, mine), (back, theirs)):
-                at = 0
-                for _ in range(24):
+            out, back, pulls = [], [], []  # (src ids, dst ids): 1-8 blocks each, disjoint destinations
+            for plan, perm, count, at in ((out, mine, 24, 0), (back, theirs, 24, 0), (pulls, theirs, 8, 120)):
+                for _ in range(count):
                     n = int(rng.integers(1, 9))
                     plan.append((rng.integers(0, 256, n).tolist(), perm[at:at + n].tolist()))
                     at += n
+            assert sum(len(d) for _, d in back) <= 120
+            # 24 writes each way and 8 reads (the peer sends those too), all in flight together
             peer.call("post", [("write", "me", s, d, 15, f"b{k}".encode(), "dst", "kv")
                                for k, (s, d) in enumerate(back)])
             mine_t = [agent.write(name, s, d, region="src", peer_region="dst", timeout=15, notify=f"o{k}".encode())
                       for k, (s, d) in enumerate(out)]
+            mine_t += [agent.read(name, s, d, region="dst", peer_region="kv", timeout=15) for s, d in pulls]
             errs = []
             for t in mine_t:
                 try:
@@ -357,11 +359,12 @@ def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env):
             for s, d in out:
                 assert_blocks_equal(src_layout, src, s, peer.layout, remote, d)
             assert_untouched(peer.layout, remote, [x for _, d in out for x in d])
-            exp = expected_blocks(KIND, RING, 22, [x for s, _ in back for x in s])
-            got = block_bytes(dst_layout, dst, [x for _, d in back for x in d])
+            landed = back + pulls  # both from the peer's kv (seed 22) into my dst
+            exp = expected_blocks(KIND, RING, 22, [x for s, _ in landed for x in s])
+            got = block_bytes(dst_layout, dst, [x for _, d in landed for x in d])
             for a, b in zip(exp, got):
-                assert np.array_equal(a, b), "blocks written by the peer differ from its source"
-            assert_untouched(dst_layout, dst, [x for _, d in back for x in d])
+                assert np.array_equal(a, b), "blocks from the peer differ from its source"
+            assert_untouched(dst_layout, dst, [x for _, d in landed for x in d])
             notes = {n.payload for n in agent.notifications()}
             assert notes == {f"b{k}".encode() for k in range(len(back))}
     finally:

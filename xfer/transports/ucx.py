@@ -9,9 +9,11 @@ with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA suppo
 blocks are staged through pinned host memory, and ``Transfer.path`` says so).
 
 Control: a listener per agent (published in ``info()``); connections from peer metadata, a hello
-that checks the peer's identity; each transfer starts with a request the receiving side
-validates (region, layout fingerprint, block ids) before any data moves, and ends when the
-receiving side has landed every byte, delivered its notification and acknowledged. Deadlines
+that checks the peer's identity; each transfer starts with a request the target validates
+(region, layout fingerprint, block ids) before any byte of its region is read or written (a
+WRITE's chunks follow the request at once and wait, outside any staging slot, until it is
+validated, or are discarded), and ends when the receiving side has landed every byte, delivered
+its notification and acknowledged. Staging slots cannot deadlock (argued in ucx_engine.py). Deadlines
 bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
 receiving side never delivers a notification for a transfer it dropped. Known gap: when every
 byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap), the

@@ -80,10 +80,10 @@ def sub_layout(layout: KVLayout, l0: int, l1: int) -> KVLayout:
 class Slot:
     """One staging buffer: ``tensor`` (uint8, for copies) and ``wire`` (what ucxx sends from)."""
 
-    __slots__ = ("index", "tensor", "wire", "owner")
+    __slots__ = ("index", "tensor", "wire", "owner", "sending")
 
     def __init__(self, index: int, tensor: torch.Tensor, wire):
-        self.index, self.tensor, self.wire, self.owner = index, tensor, wire, None
+        self.index, self.tensor, self.wire, self.owner, self.sending = index, tensor, wire, None, False
 
     def view(self, nbytes: int):
         """(tensor view, wire view) of the first ``nbytes``."""
@@ -91,14 +91,17 @@ class Slot:
 
 
 class StagingPool:
-    """``count`` slots of ``nbytes`` in one allocation (one UCX registration cache entry).
+    """``count`` slots of ``nbytes`` in one allocation (one UCX registration cache entry); sends
+    may hold at most ``send_cap`` of them at once (the rest is kept for receives: ucx_engine).
 
     ``kind``: "host" (page-aligned host memory), "pinned" (page-locked host, for CUDA regions
     staged through the host) or "cuda:N" (device memory, sent GPU-direct by UCX).
     """
 
-    def __init__(self, kind: str, nbytes: int, count: int):
+    def __init__(self, kind: str, nbytes: int, count: int, send_cap: int | None = None):
         self.kind, self.nbytes, self.count = kind, nbytes, count
+        self.send_cap = count if send_cap is None else send_cap
+        self.sends = 0  # slots held by sends
         if kind.startswith("cuda"):
             base = torch.empty(nbytes * count, dtype=torch.uint8, device=kind)
             wires = [base[i * nbytes:(i + 1) * nbytes] for i in range(count)]
@@ -113,16 +116,22 @@ class StagingPool:
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, owner) -> Slot | None:
-        if not self._free:
+    def free(self, sending: bool = False) -> bool:
+        """Whether a slot can be taken now (for a send: within the send cap)."""
+        return bool(self._free) and (not sending or self.sends < self.send_cap)
+
+    def take(self, owner, sending: bool = False) -> Slot | None:
+        if not self.free(sending):
             return None
         slot = self.slots[self._free.popleft()]
-        slot.owner = owner
+        slot.owner, slot.sending = owner, sending
+        self.sends += sending
         return slot
 
     def give(self, slot: Slot) -> None:
         assert slot.owner is not None, "slot returned twice"
-        slot.owner = None
+        self.sends -= slot.sending
+        slot.owner, slot.sending = None, False
         self._free.append(slot.index)
 
 

@@ -6,8 +6,9 @@ Tags (64 bits; UCX matches tags per worker, so every tag names the receiving con
     data chunk        (conn << 32) | (xid << 8) | (seq & 0xFF)      xid in 1 .. 2**24-1
 
 ``conn`` is the id the *receiving* side gave the connection in its hello; ``xid`` is the id the
-data receiver gave the transfer (its ring accepts at most ``depth`` <= 255 chunks in flight, so
-``seq & 0xFF`` is unique among them).
+initiator gave the transfer in its REQ (increasing per connection, wrapping past 2**24-1 to 1).
+Chunks of one transfer are sent in ``seq`` order over one endpoint, and UCX keeps that order, so
+the receiver names the k-th arrival chunk k and checks ``seq & 0xFF``.
 
 Hello (UCX stream API, both directions, fixed 256 bytes): ``!4sHI32s`` magic, version, the conn
 id the peer must put in its tags, agent id (32 ASCII hex), then the agent name (UTF-8, NUL padded).
@@ -31,7 +32,7 @@ from ..errors import InvalidArgumentError, PeerDisconnectedError
 __all__ = ["UcxSettings", "Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data_tag",
            "CTRL_MASK", "HELLO_BYTES", "VERSION"]
 
-VERSION = 1
+VERSION = 2  # 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
 MAGIC = b"XFUC"
 HELLO_BYTES = 256
 _HELLO = struct.Struct("!4sHI32s")
@@ -69,8 +70,9 @@ class UcxSettings:
         cut into chunks of whole blocks (or whole layers of one block when a block is bigger).
     depth (XFER_UCX_DEPTH): chunks of one transfer in flight at once (gathered, on the wire or
         being scattered); <= 255.
-    slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers; the staging
-        footprint is ``slots * chunk_bytes`` per kind whatever the transfers' sizes.
+    slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers (>= 2; sends
+        hold at most ``slots - slots // 2``, the rest is kept for receives: see ucx_engine); the
+        staging footprint is ``slots * chunk_bytes`` per kind whatever the transfers' sizes.
     port (XFER_UCX_PORT): listener port (0: any free one).
     address (XFER_UCX_ADDRESS): the address published to peers (default: the agent's control
         ``listen_host``, or this host's name resolved when that is a wildcard).
@@ -90,8 +92,9 @@ class UcxSettings:
             raise InvalidArgumentError(f"chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
         if not isinstance(self.depth, int) or not 1 <= self.depth <= 255:
             raise InvalidArgumentError(f"depth must be in 1..255, got {self.depth!r}")
-        if not isinstance(self.slots, int) or self.slots < 1:
-            raise InvalidArgumentError(f"slots must be a positive int, got {self.slots!r}")
+        if not isinstance(self.slots, int) or self.slots < 2:
+            raise InvalidArgumentError(f"slots must be an int >= 2 (sends and receives each need one), "
+                                       f"got {self.slots!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port!r}")
         if not self.keepalive_s > 0:
@@ -115,8 +118,8 @@ class UcxSettings:
 
 
 class Kind(enum.IntEnum):
-    REQ = 1  # initiator -> target: a transfer, to validate
-    ACCEPT = 2  # target -> initiator: valid; WRITE: send chunks with this xid
+    REQ = 1  # initiator -> target: a transfer (its xid), to validate; a WRITE's chunks follow at once
+    # 2 was ACCEPT (wire version 1): the initiator no longer waits for one
     REFUSE = 3  # target -> initiator: invalid (typed error name + message)
     ACK = 4  # WRITE: target -> initiator, every byte landed and the notification was delivered
     FIN = 5  # READ: initiator -> target, every byte landed; deliver the notification
@@ -129,6 +132,19 @@ def ctrl_tag(conn: int) -> int:
 
 def data_tag(conn: int, xid: int, seq: int) -> int:
     return ((conn & 0xFFFFFFFF) << 32) | ((xid & 0xFFFFFF) << 8) | (seq & 0xFF)
+
+
+XID_MOD = 1 << 24
+
+
+def next_xid(xid: int) -> int:
+    """The xid after ``xid`` (1 .. 2**24-1; 0 is never used: its chunk 0 would look like control)."""
+    return xid % (XID_MOD - 1) + 1
+
+
+def xid_after(a: int, b: int) -> bool:
+    """Whether xid ``a`` was issued after ``b`` (serial-number order over the 24-bit wrap)."""
+    return 0 < (a - b) % XID_MOD < XID_MOD // 2
 
 
 def encode(kind: Kind, header: dict, ids: np.ndarray | None = None, payload: bytes = b"") -> np.ndarray:
