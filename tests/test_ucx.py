@@ -313,18 +313,21 @@ RING = dict(num_layers=4, num_blocks=256, block_size=8, num_heads=1, head_dim=32
 RING_ENV = {"UCX_RNDV_THRESH": "4k", "XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_SLOTS": "2", "XFER_UCX_DEPTH": "2"}
 
 
-def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env):
+@pytest.mark.parametrize("inline", ["1M", "0"], ids=["copies-inline", "copy-thread"])
+def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env, inline):
     """Regression: many concurrent rendezvous transfers in both directions between two agents with
     two staging slots each. Slots were once taken for receives whose chunks had not arrived, while
     the sends that would fill them waited for slots held by sends the other side could not take:
-    every transfer ended TIMED_OUT at its deadline. Every transfer must complete, byte-exact."""
-    for k, v in RING_ENV.items():
+    every transfer ended TIMED_OUT at its deadline. Every transfer must complete, byte-exact; with
+    the chunks copied on the engine thread and on the copy thread."""
+    ring_env = dict(RING_ENV, XFER_UCX_INLINE_BYTES=inline)
+    for k, v in ring_env.items():
         monkeypatch.setenv(k, v)
     src, src_layout = make_kv_cache(KIND, **RING)
     fill_random(src, seed=21)
     dst, dst_layout = make_kv_cache(KIND, **RING)
     poison(dst)
-    peer = UcxPeer("ring", KIND, RING, seed=22, env=RING_ENV)  # its kv: the source of its writes
+    peer = UcxPeer("ring", KIND, RING, seed=22, env=ring_env)  # its kv: the source of its writes
     try:
         peer.metadata = peer.call("region", ("dst", None))
         with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:

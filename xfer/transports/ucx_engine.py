@@ -280,8 +280,18 @@ class Engine:
         if not flow.dead:
             self.want(flow)
 
-    def copy(self, fn, done) -> None:
-        self._copier.submit(fn, lambda err: self.call_soon(done, err))
+    def copy(self, fn, done, nbytes: int) -> None:
+        """Run ``fn`` (a gather or scatter), then ``done(error or None)`` on this thread: right here
+        for a small chunk, else on the copy thread (overlapping the wire)."""
+        if nbytes > self.settings.inline_bytes:
+            self._copier.submit(fn, lambda err: self.call_soon(done, err))
+            return
+        try:
+            fn()
+        except Exception as exc:  # reported to the transfer that asked for the copy
+            done(exc)
+            return
+        done(None)
 
     def send_chunk(self, flow, chunk, slot) -> None:
         _, wire_view = slot.view(chunk.nbytes)
@@ -293,6 +303,7 @@ class Engine:
 
     def recv_chunk(self, flow, chunk, slot, probe) -> None:
         _, wire_view = slot.view(chunk.nbytes)
+        flow.receiving += 1
         self.recv_probed(wire_view, probe, lambda err: flow.received(chunk, slot, self._ucx_error(flow, err)))
 
     def _ucx_error(self, flow, err):

@@ -27,6 +27,11 @@ from .ucx_stage import BlockCopier, Chunk, Slot
 
 __all__ = ["Flow"]
 
+# Receives of one flow posted at once. One: a rendezvous chunk then has the wire to itself and
+# lands whole before the next starts, so its scatter overlaps the next chunk's wire time (with
+# several posted together UCX interleaves them and they all land at the end, scatters exposed).
+RECV_AHEAD = 1
+
 
 class Flow:
     """State of one transfer; ``engine`` supplies slots, the wire and the copy thread."""
@@ -34,7 +39,7 @@ class Flow:
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
-                 "depth", "queued")
+                 "depth", "queued", "receiving")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
@@ -52,6 +57,7 @@ class Flow:
         self.finished_chunks = 0  # chunks fully sent / scattered
         self.arrived = 0  # receiving: chunks seen by the engine's probe (in send order)
         self.pending: collections.deque = collections.deque()  # receiving: arrived, not yet received
+        self.receiving = 0  # receives posted, not completed (at most RECV_AHEAD)
         self.dead = False
         self.queued = False  # in the engine's queue of flows wanting a slot
         self.started = time.monotonic()
@@ -66,7 +72,7 @@ class Flow:
             return False
         if self.sending:  # chunks go out once the hello named the peer's connection id (after the REQ)
             return self.next < len(self.chunks) and self.conn.ready
-        return bool(self.pending)
+        return bool(self.pending) and self.receiving < RECV_AHEAD
 
     def all_landed(self) -> bool:
         return self.finished_chunks == len(self.chunks)
@@ -93,7 +99,7 @@ class Flow:
             ids = self.ids[chunk.b0:chunk.b1]
             view, _ = slot.view(chunk.nbytes)
             self.engine.copy(lambda: self.copier.gather(ids, chunk.l0, chunk.l1, view),
-                             lambda err: self._gathered(chunk, slot, err))
+                             lambda err: self._gathered(chunk, slot, err), chunk.nbytes)
         else:
             self.engine.recv_chunk(self, chunk, slot, self.pending.popleft())
 
@@ -118,6 +124,7 @@ class Flow:
         self.finished_chunks += 1  # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
+        self.receiving -= 1
         if self.dead or err is not None:
             self.engine.release(self, slot)
             if err is not None and not self.dead:
@@ -125,8 +132,9 @@ class Flow:
             return
         ids = self.ids[chunk.b0:chunk.b1]
         view, _ = slot.view(chunk.nbytes)
+        self.engine.want(self)  # the next arrived chunk can be received while this one is scattered
         self.engine.copy(lambda: self.copier.scatter(view, ids, chunk.l0, chunk.l1, self.sender_layout),
-                         lambda e: self._scattered(slot, e))
+                         lambda e: self._scattered(slot, e), chunk.nbytes)
 
     def _scattered(self, slot: Slot, err) -> None:
         self.engine.release(self, slot)

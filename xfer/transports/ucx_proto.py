@@ -20,7 +20,10 @@ from .ucx_stage import BlockCopier, chunk_list, plan_chunks
 
 __all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
 
-PIPELINE_MIN_CHUNKS = int(os.environ.get("XFER_UCX_MIN_CHUNKS", "4"))  # small transfers still cut this fine (overlap)
+# a transfer is cut into about PIPELINE_MIN_CHUNKS chunks (gather, wire and scatter overlap; the
+# first gather and the last scatter are not hidden), none below MIN_CHUNK_BYTES (fixed costs a chunk)
+PIPELINE_MIN_CHUNKS = wire._env_int("XFER_UCX_MIN_CHUNKS", 16)
+MIN_CHUNK_BYTES = wire._env_int("XFER_UCX_MIN_CHUNK_BYTES", 1 << 20)
 
 
 class Protocol:
@@ -172,7 +175,7 @@ class Protocol:
             n = int(job.local_ids.size)
             peer_slot = int((job.peer.metadata.transports.get("ucx") or {}).get("chunk_bytes") or 1 << 62)
             bpc, lpc = plan_chunks(job.local.layout, n, min(self.e.settings.chunk_bytes, peer_slot),
-                                   PIPELINE_MIN_CHUNKS)
+                                   PIPELINE_MIN_CHUNKS, MIN_CHUNK_BYTES)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
         except XferError as exc:
             t._finish(TransferState.FAILED, exc)

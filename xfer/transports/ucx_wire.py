@@ -77,6 +77,9 @@ class UcxSettings:
     address (XFER_UCX_ADDRESS): the address published to peers (default: the agent's control
         ``listen_host``, or this host's name resolved when that is a wildcard).
     keepalive_s (XFER_UCX_KEEPALIVE_S): UCX endpoint keepalive, how soon a silent dead peer is noticed.
+    inline_bytes (XFER_UCX_INLINE_BYTES): chunks up to this size are gathered / scattered on the
+        engine thread itself (two thread hand-offs fewer a chunk: what small transfers wait on);
+        larger ones on the copy thread, overlapping the wire.
     """
 
     chunk_bytes: int = 16 << 20
@@ -85,6 +88,7 @@ class UcxSettings:
     port: int = 0
     address: str | None = None
     keepalive_s: float = 1.0
+    inline_bytes: int = 1 << 20
     ucx_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,8 @@ class UcxSettings:
                                        f"got {self.slots!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port!r}")
+        if not isinstance(self.inline_bytes, int) or self.inline_bytes < 0:
+            raise InvalidArgumentError(f"inline_bytes must be an int >= 0, got {self.inline_bytes!r}")
         if not self.keepalive_s > 0:
             raise InvalidArgumentError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
 
@@ -106,7 +112,8 @@ class UcxSettings:
         return cls(chunk_bytes=_env_int("XFER_UCX_CHUNK_BYTES", d.chunk_bytes),
                    depth=_env_int("XFER_UCX_DEPTH", d.depth), slots=_env_int("XFER_UCX_SLOTS", d.slots),
                    port=_env_int("XFER_UCX_PORT", d.port), address=os.environ.get("XFER_UCX_ADDRESS") or None,
-                   keepalive_s=float(os.environ.get("XFER_UCX_KEEPALIVE_S", d.keepalive_s)))
+                   keepalive_s=float(os.environ.get("XFER_UCX_KEEPALIVE_S", d.keepalive_s)),
+                   inline_bytes=_env_int("XFER_UCX_INLINE_BYTES", d.inline_bytes))
 
     def context_options(self) -> dict:
         """UCX options for the context: tuned defaults, unless the user's environment sets them."""
