@@ -23,7 +23,7 @@ class Conn:
     """
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
-                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early")
+                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -37,6 +37,7 @@ class Conn:
         self.flows: dict[int, object] = {}
         self.xid = 0
         self.early: dict[int, list] = {}  # xid -> probed chunks that came before their REQ
+        self.n_early = 0  # chunks held in ``early``
         self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
         self.hello_out: np.ndarray | None = None
 

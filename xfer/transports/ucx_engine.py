@@ -60,6 +60,10 @@ from .ucx_stage import Copier, StagingPool
 __all__ = ["Engine", "error_class"]
 
 PROBE_BATCH = 256  # messages taken per loop turn
+# Chunks a connection may hold ahead of their REQs. A well-behaved initiator's early chunks are
+# those sent between a REQ and its processing here (one loop turn); far more is a broken or
+# hostile peer, whose connection is failed rather than buffered without bound.
+EARLY_MAX = 1 << 16
 
 
 class Engine:
@@ -218,6 +222,10 @@ class Engine:
             conn = self._conns.get(conn_id)
             if conn is not None and not conn.outgoing and not conn.dead and wire.xid_after(xid, conn.xid):
                 conn.early.setdefault(xid, []).append((seq_byte, probe))  # its REQ is on its way
+                conn.n_early += 1
+                if conn.n_early > EARLY_MAX:
+                    self.conn_failed(conn, PeerDisconnectedError(
+                        f"peer {conn.name!r} sent more than {EARLY_MAX} chunks of transfers it never requested"))
             else:
                 self.sink(probe)  # a dropped (or refused) transfer's late chunk
             return
@@ -230,7 +238,9 @@ class Engine:
 
     def adopt_early(self, conn: Conn, xid: int, flow) -> None:
         """Chunks of ``xid`` that arrived before its REQ: to ``flow``, or discarded (flow None)."""
-        for seq_byte, probe in conn.early.pop(xid, ()):
+        early = conn.early.pop(xid, ())
+        conn.n_early -= len(early)
+        for seq_byte, probe in early:
             if flow is None or flow.dead:
                 self.sink(probe)
             else:
@@ -349,10 +359,18 @@ class Engine:
         now = time.monotonic()
         for flow in [f for f in self._flows.values() if f.transfer.poll().terminal or now >= f.deadline]:
             self.fail(flow, flow.transfer.error or TransferTimeoutError(
-                f"transfer {flow.tid} reached its deadline"))
+                f"transfer {flow.tid} reached its deadline ({self._progress(flow)})"))
         for flow in [f for f in self._targets.values() if now >= f.deadline]:
             self.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} from {flow.peer_name!r} reached "
-                                                 f"its deadline; dropped, no notification delivered"))
+                                                 f"its deadline ({self._progress(flow)}); dropped, no notification "
+                                                 f"delivered"))
+
+    def _progress(self, flow) -> str:
+        """Where a flow stands, for its timeout message."""
+        pool, n = flow.pool, len(flow.chunks)
+        what = (f"{flow.finished_chunks}/{n} chunks sent, {flow.inflight} in flight" if flow.sending else
+                f"{flow.arrived}/{n} chunks arrived, {flow.finished_chunks} landed, {flow.inflight} in flight")
+        return f"{what}; staging slots free {len(pool)}/{pool.count}, held by sends {pool.sends}"
 
     def conn_failed(self, conn: Conn, err: Exception) -> None:
         if conn.dead:
