@@ -306,3 +306,69 @@ def test_chunk_plan_bounds_the_staging_footprint():
         assert sum(c.nbytes for c in chunks) == n * layout.bytes_per_block
         covered = {(b, layer) for c in chunks for b in range(c.b0, c.b1) for layer in range(c.l0, c.l1)}
         assert len(covered) == n * layout.num_layers
+
+
+# small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
+RING = dict(num_layers=4, num_blocks=256, block_size=8, num_heads=1, head_dim=32)  # 4 KiB a block
+RING_ENV = {"UCX_RNDV_THRESH": "4k", "XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_SLOTS": "2", "XFER_UCX_DEPTH": "2"}
+
+
+@pytest.mark.parametrize("inline", ["1M", "0"], ids=["copies-inline", "copy-thread"])
+def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env, inline):
+    """Regression: many concurrent rendezvous transfers in both directions between two agents with
+    two staging slots each. Slots were once taken for receives whose chunks had not arrived, while
+    the sends that would fill them waited for slots held by sends the other side could not take:
+    every transfer ended TIMED_OUT at its deadline. Every transfer must complete, byte-exact; with
+    the chunks copied on the engine thread and on the copy thread."""
+    ring_env = dict(RING_ENV, XFER_UCX_INLINE_BYTES=inline)
+    for k, v in ring_env.items():
+        monkeypatch.setenv(k, v)
+    src, src_layout = make_kv_cache(KIND, **RING)
+    fill_random(src, seed=21)
+    dst, dst_layout = make_kv_cache(KIND, **RING)
+    poison(dst)
+    peer = UcxPeer("ring", KIND, RING, seed=22, env=ring_env)  # its kv: the source of its writes
+    try:
+        peer.metadata = peer.call("region", ("dst", None))
+        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            agent.register("src", src, src_layout)
+            agent.register("dst", dst, dst_layout)
+            name = agent.connect(peer.metadata)
+            assert peer.call("connect", agent.metadata()) == "me"
+            rng = np.random.default_rng(5)
+            mine, theirs = rng.permutation(256), rng.permutation(256)
+            out, back, pulls = [], [], []  # (src ids, dst ids): 1-8 blocks each, disjoint destinations
+            for plan, perm, count, at in ((out, mine, 24, 0), (back, theirs, 24, 0), (pulls, theirs, 8, 120)):
+                for _ in range(count):
+                    n = int(rng.integers(1, 9))
+                    plan.append((rng.integers(0, 256, n).tolist(), perm[at:at + n].tolist()))
+                    at += n
+            assert sum(len(d) for _, d in back) <= 120
+            # 24 writes each way and 8 reads (the peer sends those too), all in flight together
+            peer.call("post", [("write", "me", s, d, 15, f"b{k}".encode(), "dst", "kv")
+                               for k, (s, d) in enumerate(back)])
+            mine_t = [agent.write(name, s, d, region="src", peer_region="dst", timeout=15, notify=f"o{k}".encode())
+                      for k, (s, d) in enumerate(out)]
+            mine_t += [agent.read(name, s, d, region="dst", peer_region="kv", timeout=15) for s, d in pulls]
+            errs = []
+            for t in mine_t:
+                try:
+                    t.wait()
+                except Exception as exc:
+                    errs.append(repr(exc))
+            theirs_res = peer.call("wait", timeout=30)
+            assert not errs and all(r[0] == "ok" for r in theirs_res), (errs[:3], [r for r in theirs_res if r[0] != "ok"][:3])
+            remote = peer.tensors("dst")
+            for s, d in out:
+                assert_blocks_equal(src_layout, src, s, peer.layout, remote, d)
+            assert_untouched(peer.layout, remote, [x for _, d in out for x in d])
+            landed = back + pulls  # both from the peer's kv (seed 22) into my dst
+            exp = expected_blocks(KIND, RING, 22, [x for s, _ in landed for x in s])
+            got = block_bytes(dst_layout, dst, [x for _, d in landed for x in d])
+            for a, b in zip(exp, got):
+                assert np.array_equal(a, b), "blocks from the peer differ from its source"
+            assert_untouched(dst_layout, dst, [x for _, d in landed for x in d])
+            notes = {n.payload for n in agent.notifications()}
+            assert notes == {f"b{k}".encode() for k in range(len(back))}
+    finally:
+        peer.close()

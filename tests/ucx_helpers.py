@@ -61,6 +61,7 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
         return
     conn.send(agent.metadata())
     posted = []
+    regions = {"kv": tensors}
     while True:
         cmd, arg = conn.recv()
         try:
@@ -68,8 +69,15 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
                 agent.close()
                 conn.send("bye")
                 return
-            if cmd == "bytes":
-                conn.send([byte_view(t).numpy().copy() for t in tensors])
+            if cmd == "bytes":  # the bytes of region ``arg`` (default kv)
+                conn.send([byte_view(t).numpy().copy() for t in regions[arg or "kv"]])
+            elif cmd == "region":  # another region (name, seed or None for the poison), same kind and dims
+                rname, rseed = arg
+                extra, extra_layout = make_kv_cache(kind, **dims)
+                poison(extra) if rseed is None else fill_random(extra, rseed)
+                agent.register(rname, extra, extra_layout)
+                regions[rname] = extra
+                conn.send(agent.metadata())  # the peer's new metadata names the region
             elif cmd == "connect":
                 conn.send(agent.connect(arg))
             elif cmd == "notification":
@@ -77,10 +85,11 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
                 conn.send(("ok", n.peer, n.op.value, n.blocks.tolist(), n.payload))
             elif cmd == "notifications":
                 conn.send([(n.peer, n.op.value, n.blocks.tolist(), n.payload) for n in agent.notifications()])
-            elif cmd == "post":  # [(op, peer, src, dst, timeout, notify[, peer region])] -> count posted
+            elif cmd == "post":  # [(op, peer, src, dst, timeout, notify[, peer region[, region]])] -> count posted
                 for op, peer, src, dst, tmo, note, *where in arg:
                     fn = agent.write if op == "write" else agent.read
-                    posted.append(fn(peer, src, dst, timeout=tmo, notify=note, peer_region=where[0] if where else None))
+                    where = where + [None] * (2 - len(where))
+                    posted.append(fn(peer, src, dst, timeout=tmo, notify=note, peer_region=where[0], region=where[1]))
                 conn.send(len(posted))
             elif cmd == "states":
                 conn.send([t.poll().name for t in posted])
@@ -100,6 +109,7 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
                 tensors, layout = make_kv_cache(kind, **dims)
                 poison(tensors) if arg is None else fill_random(tensors, arg)
                 agent.register("kv", tensors, layout)
+                regions["kv"] = tensors
                 agent.notifications()
                 conn.send("ok")
             elif cmd == "reregister":  # replace region kv with another cache (stale metadata on the peer)
@@ -108,6 +118,7 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
                     tensors, layout = make_kv_cache(arg[0], **arg[1])
                     poison(tensors)
                     agent.register("kv", tensors, layout)
+                    regions["kv"] = tensors
                 conn.send("ok")
         except Exception as exc:  # sent back to the test as data
             conn.send(("error", type(exc).__name__, str(exc)))
@@ -145,8 +156,8 @@ class UcxPeer:
             raise TimeoutError(f"peer process did not answer {cmd!r} within {timeout} s")
         return self.conn.recv()
 
-    def tensors(self):
-        return [torch.from_numpy(b).view(self.layout.dtype) for b in self.call("bytes")]
+    def tensors(self, region=None):
+        return [torch.from_numpy(b).view(self.layout.dtype) for b in self.call("bytes", region)]
 
     def signal(self, sig) -> None:
         os.kill(self.proc.pid, sig)

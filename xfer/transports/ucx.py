@@ -9,15 +9,22 @@ with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA suppo
 blocks are staged through pinned host memory, and ``Transfer.path`` says so).
 
 Control: a listener per agent (published in ``info()``); connections from peer metadata, a hello
-that checks the peer's identity; each transfer starts with a request the receiving side
-validates (region, layout fingerprint, block ids) before any data moves, and ends when the
-receiving side has landed every byte, delivered its notification and acknowledged. Deadlines
-bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
+that checks the peer's identity; each transfer starts with a request the target validates
+(region, layout fingerprint, block ids) before any byte of its region is read or written (a
+WRITE's chunks follow the request at once and wait, outside any staging slot, until it is
+validated, or are discarded), and ends when the receiving side has landed every byte, delivered
+its notification and acknowledged. Staging slots cannot deadlock (argued in ucx_engine.py).
+Deadlines bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
 receiving side never delivers a notification for a transfer it dropped. Known gap: when every
 byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap), the
 peer has been notified while the initiator reports TIMED_OUT; the late acknowledgement is logged
-as a warning. Wire format: ucx_wire.py;
-progress model: ucx_engine.py.
+as a warning. This is the two-generals problem (whichever side decides last, a message that can
+be lost decides for the other): no protocol closes it; the blocks are whole (a complete block
+reported failed, never a partial one reported complete), and the soak counts such transfers
+apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold) that arrive
+faster than they are scattered wait in UCX's own unexpected-message buffers (bounded by the
+transfers in flight, not by the staging slots). Wire format: ucx_wire.py; progress model and the
+slot argument: ucx_engine.py.
 
 Settings: :class:`~xfer.transports.ucx_wire.UcxSettings` (``XFER_UCX_*`` environment variables);
 UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_RAILS``) apply.

@@ -17,11 +17,13 @@ class Conn:
     ``local_id``: the id this side gave the connection (the peer tags its messages with it);
     ``remote_id``: the id the peer gave it (our tags to the peer carry it). ``outgoing``: this
     side connected (to the peer's listener) rather than accepted. ``waiting``: control messages held
-    until the hello round is over. ``flows``: live flows on this connection.
+    until the hello round is over. ``flows``: live flows on this connection. ``xid``: on an
+    outgoing connection, the last transfer id issued; on an accepted one, the newest announced by
+    a REQ (chunks of later ids arrived before their REQ and are held in ``early``).
     """
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
-                 "flows", "hello_in", "hello_out", "address", "error")
+                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -33,6 +35,9 @@ class Conn:
         self.error: Exception | None = None
         self.waiting: list = []
         self.flows: dict[int, object] = {}
+        self.xid = 0
+        self.early: dict[int, list] = {}  # xid -> probed chunks that came before their REQ
+        self.n_early = 0  # chunks held in ``early``
         self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
         self.hello_out: np.ndarray | None = None
 

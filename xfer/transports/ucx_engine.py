@@ -5,6 +5,38 @@ handles what completed, then arms the worker and sleeps in ``epoll`` on the work
 and a wake pipe (posts, copy completions, cancellations) until something happens or the nearest
 deadline. No busy polling: an idle agent costs nothing, a busy one wakes once per event.
 All UCX calls happen on this thread.
+
+Receiving: nothing is pre-posted. One wildcard probe takes every message the worker holds, in
+arrival order: control messages are received at once (into a buffer of their size); a data chunk
+is handed to its flow (by connection and xid) and waits there until a staging slot is free for it;
+a chunk of no live flow is received into a throw-away buffer (a dropped transfer's late chunks);
+a chunk whose REQ has not been processed yet (the initiator sends right behind its REQ) is held
+on its connection until the REQ is.
+
+Staging slots, and why no interleaving deadlocks. Each memory kind has one pool of ``S`` slots.
+Sends may hold at most ``S - S // 2`` of them; receives may take any free slot. Then:
+
+  1. A receive takes a slot only for a chunk that has *arrived* (probed, handle in hand). Its
+     completion needs no further slot anywhere: the bytes are here (eager) or sit in a slot of the
+     sender whose send is already posted (rendezvous); the scatter after it is local work on the
+     copy thread (finite, FIFO). So every receive slot comes back in bounded time, or at once
+     when the connection fails (UCX fails the request).
+  2. Sends never hold more than ``S - S // 2`` slots, so at least ``S // 2 >= 1`` slots are free or
+     held by receives, which come back (1). Flows with arrived chunks are served round-robin, one
+     chunk per turn, before any send takes a slot: every arrived chunk is received in finite time.
+  3. A send holds its slot through the gather (local) and until UCX completes it, i.e. until the
+     peer receives it: the peer's probe sees it (its worker progresses on its own thread) and (2)
+     there gives it a slot in finite time. So every send slot comes back too.
+  4. Nothing else waits while holding a slot: no chunk waits for a control message (the initiator
+     sends right behind its REQ; the target holds early chunks without a slot), and control
+     messages never need a slot.
+
+A wait-for cycle would need a slot held while waiting for another slot; by (1)-(4) only a send
+waits on anything remote, and what it waits for (a receive at the peer) never waits for a send.
+So with any number of flows in both directions, any interleaving, all slots busy, progress is
+made; fairness: round-robin among flows, receives first. A dead or frozen peer cannot make a
+healthy one wait past its deadline either: deadlines end flows, whose late chunks are discarded
+on arrival (a frozen peer can keep a send slot until it wakes or UCX's keepalive gives up on it).
 """
 
 from __future__ import annotations
@@ -27,7 +59,11 @@ from .ucx_stage import Copier, StagingPool
 
 __all__ = ["Engine", "error_class"]
 
-GRAVE_S = 30.0  # how long a dropped transfer's late chunks are drained
+PROBE_BATCH = 256  # messages taken per loop turn
+# Chunks a connection may hold ahead of their REQs. A well-behaved initiator's early chunks are
+# those sent between a REQ and its processing here (one loop turn); far more is a broken or
+# hostile peer, whose connection is failed rather than buffered without bound.
+EARLY_MAX = 1 << 16
 
 
 class Engine:
@@ -40,6 +76,7 @@ class Engine:
                                     feature_flags=(u.Feature.TAG, u.Feature.WAKEUP, u.Feature.STREAM))
         self.worker = u.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
+        self._any_tag, self._any_mask = u.UCXXTag(0), u.UCXXTagMask(0)
         self._conn_requests: list = []
         self.listener = u.UCXListener.create(self.worker, settings.port, self._conn_requests.append)
         self.port = self.listener.port
@@ -54,13 +91,13 @@ class Engine:
         self._conns: dict[int, Conn] = {}  # local id -> conn
         self._out: dict[str, Conn] = {}  # peer agent id -> our outgoing conn
         self._ids = itertools.count(1)
-        self._xids = itertools.count(1)
         self._keys = itertools.count(1)
         self._flows: dict[int, object] = {}  # key -> initiator flow
         self._targets: dict[tuple[int, int], object] = {}  # (conn local id, key) -> target flow
+        self._rx: dict[tuple[int, int], object] = {}  # (conn local id, xid) -> receiving flow
         self._pools: dict[str, StagingPool] = {}
-        self._want: dict[str, collections.deque] = {}
-        self._grave: dict[tuple[int, int], float] = {}  # (conn local id, xid) -> drain until
+        self._want_rx: dict[str, collections.deque] = {}  # per pool kind: receiving flows with arrived chunks
+        self._want_tx: dict[str, collections.deque] = {}  # per pool kind: sending flows with chunks to start
         self._closing = False
         self._sleeping = False
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
@@ -120,16 +157,14 @@ class Engine:
         while self._conn_requests:
             self.proto.accept(self._conn_requests.pop())
             busy = True
-        busy |= self.proto.probe()
+        busy |= self._probe()
         busy |= self._check_reqs()
         busy |= self._schedule()
         self._check_deadlines()
-        if self._grave:
-            busy |= self._drain_grave()
         return busy
 
     def _timeout(self) -> float:
-        now, t = time.monotonic(), (0.05 if self._grave else 1.0)
+        now, t = time.monotonic(), 1.0
         for flow in itertools.chain(self._flows.values(), self._targets.values()):
             t = min(t, flow.deadline - now)
         return max(t, 0.0)
@@ -162,43 +197,111 @@ class Engine:
     def tag_send(self, conn: Conn, buf, tag: int, cb) -> None:
         self.track(conn.ep.tag_send(self.ucx.Array(buf), self.u.UCXXTag(tag)), cb)
 
-    def tag_recv(self, buf, tag: int, cb) -> None:
-        self.track(self.worker.tag_recv(self.ucx.Array(buf), self.u.UCXXTag(tag)), cb)
+    def recv_probed(self, buf, probe, cb) -> None:
+        self.track(self.worker.tag_recv_with_handle(self.ucx.Array(buf), probe), cb)
+
+    # ---- arrivals ----------------------------------------------------------------------------
+    def _probe(self) -> bool:
+        """Take up to PROBE_BATCH messages (any tag) in arrival order; see the module docstring."""
+        got = 0
+        while got < PROBE_BATCH:
+            probe = self.worker.tag_probe(self._any_tag, self._any_mask, remove=True)
+            if not probe.matched:
+                break
+            got += 1
+            tag = probe.sender_tag.value
+            if tag & 0xFFFFFFFF == 0:
+                self.proto.on_ctrl_probe(tag >> 32, probe)
+            else:
+                self._on_data(tag >> 32, (tag >> 8) & 0xFFFFFF, tag & 0xFF, probe)
+        return got > 0
+
+    def _on_data(self, conn_id: int, xid: int, seq_byte: int, probe) -> None:
+        flow = self._rx.get((conn_id, xid))
+        if flow is None:
+            conn = self._conns.get(conn_id)
+            if conn is not None and not conn.outgoing and not conn.dead and wire.xid_after(xid, conn.xid):
+                conn.early.setdefault(xid, []).append((seq_byte, probe))  # its REQ is on its way
+                conn.n_early += 1
+                if conn.n_early > EARLY_MAX:
+                    self.conn_failed(conn, PeerDisconnectedError(
+                        f"peer {conn.name!r} sent more than {EARLY_MAX} chunks of transfers it never requested"))
+            else:
+                self.sink(probe)  # a dropped (or refused) transfer's late chunk
+            return
+        err = flow.arrive(probe, seq_byte)
+        if err is not None:
+            self.sink(probe)
+            self.fail(flow, err)
+            return
+        self.want(flow)
+
+    def adopt_early(self, conn: Conn, xid: int, flow) -> None:
+        """Chunks of ``xid`` that arrived before its REQ: to ``flow``, or discarded (flow None)."""
+        early = conn.early.pop(xid, ())
+        conn.n_early -= len(early)
+        for seq_byte, probe in early:
+            if flow is None or flow.dead:
+                self.sink(probe)
+            else:
+                self._on_data(conn.local_id, xid, seq_byte, probe)
+
+    def sink(self, probe) -> None:
+        """Receive a probed message nobody wants into a throw-away buffer (UCX must consume it)."""
+        buf = np.empty(max(probe.length, 1), dtype=np.uint8)
+        try:
+            self.recv_probed(buf, probe, lambda err, b=buf: None)
+        except Exception:  # its endpoint is gone: nothing to consume
+            pass
 
     # ---- slots and copies --------------------------------------------------------------------
     def pool(self, kind: str) -> StagingPool:
         if kind not in self._pools:
-            self._pools[kind] = StagingPool(kind, self.settings.chunk_bytes, self.settings.slots)
-            self._want[kind] = collections.deque()
+            s = self.settings.slots
+            self._pools[kind] = StagingPool(kind, self.settings.chunk_bytes, s, send_cap=s - s // 2)
+            self._want_rx[kind] = collections.deque()
+            self._want_tx[kind] = collections.deque()
         return self._pools[kind]
 
     def want(self, flow) -> None:
-        if flow.wants_slot():
-            self._want[flow.pool.kind].append(flow)
+        if not flow.queued and flow.wants_slot():
+            flow.queued = True
+            (self._want_tx if flow.sending else self._want_rx)[flow.pool.kind].append(flow)
 
     def _schedule(self) -> bool:
-        """Give free slots to flows round-robin (one chunk per turn)."""
+        """Give free slots to flows round-robin (one chunk per turn): receives first, then sends
+        up to the pool's send cap (see the module docstring)."""
         busy = False
-        for kind, queue in self._want.items():
-            pool = self._pools[kind]
-            while queue and len(pool):
-                flow = queue.popleft()
-                if not flow.wants_slot():
-                    continue
-                flow.start_chunk(pool.take(flow))
-                busy = True
-                if flow.wants_slot():
-                    queue.append(flow)
+        for kind, pool in self._pools.items():
+            for queue, sending in ((self._want_rx[kind], False), (self._want_tx[kind], True)):
+                while queue and pool.free(sending):
+                    flow = queue.popleft()
+                    flow.queued = False
+                    if not flow.wants_slot():
+                        continue
+                    flow.start_chunk(pool.take(flow, sending))
+                    busy = True
+                    self.want(flow)
         return busy
 
     def release(self, flow, slot) -> None:
         flow.pool.give(slot)
         flow.inflight -= 1
-        if not flow.dead and flow.wants_slot() and flow not in self._want[flow.pool.kind]:
-            self._want[flow.pool.kind].append(flow)
+        if not flow.dead:
+            self.want(flow)
 
-    def copy(self, fn, done) -> None:
-        self._copier.submit(fn, lambda err: self.call_soon(done, err))
+    def copy(self, fn, done, nbytes: int) -> None:
+        """Run ``fn`` (a gather or scatter), then ``done(error or None)`` on this thread: right here
+        for a small chunk, else on the copy thread (overlapping the wire)."""
+        if nbytes > self.settings.inline_bytes:
+            self._copier.submit(fn, lambda err: self.call_soon(done, err))
+            return
+        try:
+            fn()
+        except Exception as exc:  # reported to the transfer that asked for the copy
+            done(exc)
+            return
+        done(None)
 
     def send_chunk(self, flow, chunk, slot) -> None:
         _, wire_view = slot.view(chunk.nbytes)
@@ -208,11 +311,10 @@ class Engine:
         self.tag_send(flow.conn, wire_view, wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq),
                       lambda err: flow.sent(slot, self._ucx_error(flow, err)))
 
-    def recv_chunk(self, flow, chunk, slot) -> None:
+    def recv_chunk(self, flow, chunk, slot, probe) -> None:
         _, wire_view = slot.view(chunk.nbytes)
-        flow.posted.add(chunk.seq)
-        self.tag_recv(wire_view, wire.data_tag(flow.conn.local_id, flow.xid, chunk.seq),
-                      lambda err: flow.received(chunk, slot, self._ucx_error(flow, err)))
+        flow.receiving += 1
+        self.recv_probed(wire_view, probe, lambda err: flow.received(chunk, slot, self._ucx_error(flow, err)))
 
     def _ucx_error(self, flow, err):
         if err is None or isinstance(err, XferError):
@@ -227,7 +329,7 @@ class Engine:
         self.proto.landed(flow)
 
     def fail(self, flow, err: Exception, *, notify_peer: bool = True) -> None:
-        """Drop ``flow``: its transfer ends with ``err``; the peer is told; late chunks are drained."""
+        """Drop ``flow``: its transfer ends with ``err``; the peer is told; late chunks are discarded."""
         if flow.dead:
             return
         if not isinstance(err, XferError):
@@ -247,43 +349,28 @@ class Engine:
         else:
             self._targets.pop((flow.conn.local_id, flow.key), None)
         flow.conn.flows.pop(id(flow), None)
-        for _, slot in flow.ready:
-            self.release(flow, slot)
-        flow.ready = []
-        if not flow.sending and flow.xid:
-            if not flow.conn.dead:
-                self._grave[(flow.conn.local_id, flow.xid)] = time.monotonic() + GRAVE_S
-            self._unpost(flow)
-
-    def _unpost(self, flow) -> None:
-        """Complete this flow's posted receives with empty messages sent to ourselves (UCX tag
-        receives belong to the worker, not to an endpoint: a dead peer does not end them)."""
-        for seq in flow.posted:
-            self.proto.self_send(wire.data_tag(flow.conn.local_id, flow.xid, seq))
-        flow.posted = set()
-
-    def _drain_grave(self) -> bool:
-        now, busy = time.monotonic(), False
-        for (conn_id, xid), until in list(self._grave.items()):
-            if now > until or conn_id not in self._conns:
-                del self._grave[(conn_id, xid)]
-                continue
-            probe = self.worker.tag_probe(self.u.UCXXTag(wire.data_tag(conn_id, xid, 0)),
-                                          self.u.UCXXTagMask(0xFFFFFFFFFFFFFF00), remove=True)
-            if probe.matched:
-                sink = np.empty(max(probe.length, 1), dtype=np.uint8)
-                self.track(self.worker.tag_recv_with_handle(self.ucx.Array(sink), probe), lambda err, s=sink: None)
-                busy = True
-        return busy
+        if not flow.sending:
+            if self._rx.get((flow.conn.local_id, flow.xid)) is flow:
+                del self._rx[(flow.conn.local_id, flow.xid)]
+            while flow.pending:  # arrived, never received: consume them
+                self.sink(flow.pending.popleft())
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for flow in [f for f in self._flows.values() if f.transfer.poll().terminal or now >= f.deadline]:
             self.fail(flow, flow.transfer.error or TransferTimeoutError(
-                f"transfer {flow.tid} reached its deadline"))
+                f"transfer {flow.tid} reached its deadline ({self._progress(flow)})"))
         for flow in [f for f in self._targets.values() if now >= f.deadline]:
             self.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} from {flow.peer_name!r} reached "
-                                                 f"its deadline; dropped, no notification delivered"))
+                                                 f"its deadline ({self._progress(flow)}); dropped, no notification "
+                                                 f"delivered"))
+
+    def _progress(self, flow) -> str:
+        """Where a flow stands, for its timeout message."""
+        pool, n = flow.pool, len(flow.chunks)
+        what = (f"{flow.finished_chunks}/{n} chunks sent, {flow.inflight} in flight" if flow.sending else
+                f"{flow.arrived}/{n} chunks arrived, {flow.finished_chunks} landed, {flow.inflight} in flight")
+        return f"{what}; staging slots free {len(pool)}/{pool.count}, held by sends {pool.sends}"
 
     def conn_failed(self, conn: Conn, err: Exception) -> None:
         if conn.dead:
@@ -294,6 +381,8 @@ class Engine:
             del self._out[conn.agent_id]
         for flow in list(conn.flows.values()):
             self.fail(flow, err, notify_peer=False)
+        for xid in list(conn.early):
+            self.adopt_early(conn, xid, None)
         conn.waiting = []
         if conn.ep is not None and conn.ep.alive:  # UCX closes a failed endpoint itself (closing it twice crashes)
             try:
@@ -310,7 +399,8 @@ class Engine:
     def _begin_close(self) -> None:
         self._fail_all(TransportError(f"ucx transport of agent {self.ctx.agent_name!r} closed"))
         self._closing = True
-        self._want.clear()
+        for q in itertools.chain(self._want_rx.values(), self._want_tx.values()):
+            q.clear()
         self.proto.close()
         if self._reqs:  # give UCX a moment to complete what the closed endpoints failed
             end = time.monotonic() + 2.0
@@ -334,4 +424,3 @@ class Engine:
 def error_class(name) -> type:
     cls = getattr(errors, name, None) if isinstance(name, str) and name in errors.__all__ else None
     return cls if isinstance(cls, type) and issubclass(cls, errors.XferError) else errors.TransportError
-

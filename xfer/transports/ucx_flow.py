@@ -1,36 +1,45 @@
 """One transfer as the UCX engine drives it, on either side.
 
-A flow either *sends* chunks (gather into a slot -> tag send) or *receives* them (tag receive
-into a slot -> scatter), at most ``depth`` chunks in flight, slots taken from a shared pool in
-round-robin order among flows. Roles:
+A flow either *sends* chunks (gather into a slot -> tag send) or *receives* them (a chunk has
+arrived -> tag receive into a slot -> scatter), at most ``depth`` chunks holding a slot at once,
+slots taken from a shared pool in round-robin order among flows (see ucx_engine for why this
+cannot deadlock). Roles:
 
-    initiator, WRITE   sends; done on the target's ACK
+    initiator, WRITE   sends from the start (no wait for the target); done on the target's ACK
     target,    WRITE   receives; after the last scatter delivers the notification, sends ACK
     initiator, READ    receives; after the last scatter sends FIN, done on the target's ACK
-    target,    READ    sends; on FIN delivers the notification, sends ACK
+    target,    READ    sends once the REQ is valid; on FIN delivers the notification, sends ACK
 
 Every method here runs on the engine thread; the copy thread only runs ``gather``/``scatter``.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
 
+from ..errors import PeerDisconnectedError
 from ..layout import KVLayout
 from ..transfer import Op, Transfer
 from .ucx_stage import BlockCopier, Chunk, Slot
 
 __all__ = ["Flow"]
 
+# Receives of one flow posted at once. One: a rendezvous chunk then has the wire to itself and
+# lands whole before the next starts, so its scatter overlaps the next chunk's wire time (with
+# several posted together UCX interleaves them and they all land at the end, scatters exposed).
+RECV_AHEAD = 1
+
 
 class Flow:
     """State of one transfer; ``engine`` supplies slots, the wire and the copy thread."""
 
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
-                 "sender_layout", "chunks", "xid", "accepted", "next", "inflight", "finished_chunks",
-                 "ready", "dead", "pool", "tid", "region", "notify", "peer_name", "acked", "started", "posted")
+                 "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
+                 "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
+                 "depth", "queued", "receiving")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
@@ -40,15 +49,17 @@ class Flow:
         self.transfer, self.deadline, self.copier, self.ids = transfer, deadline, copier, ids
         self.sender_layout, self.chunks, self.pool = sender_layout, chunks, pool
         self.tid, self.region, self.notify, self.peer_name = tid, region, notify, peer_name
+        self.sending = initiator == (op is Op.WRITE)
+        self.depth = engine.settings.depth
         self.xid = 0
-        self.accepted = False
-        self.next = 0  # next chunk to start
+        self.next = 0  # next chunk to start (gather, or receive of an arrived one)
         self.inflight = 0  # chunks holding a slot
         self.finished_chunks = 0  # chunks fully sent / scattered
-        self.ready: list[tuple[Chunk, Slot]] = []  # gathered, waiting for ACCEPT
-        self.posted: set[int] = set()  # chunks whose tag receive is posted and not completed
+        self.arrived = 0  # receiving: chunks seen by the engine's probe (in send order)
+        self.pending: collections.deque = collections.deque()  # receiving: arrived, not yet received
+        self.receiving = 0  # receives posted, not completed (at most RECV_AHEAD)
         self.dead = False
-        self.acked = False
+        self.queued = False  # in the engine's queue of flows wanting a slot
         self.started = time.monotonic()
 
     def __repr__(self) -> str:
@@ -56,17 +67,28 @@ class Flow:
         return (f"Flow(key={self.key}, {side} {self.op.value}, xid={self.xid}, chunks {self.finished_chunks}/"
                 f"{len(self.chunks)}, inflight={self.inflight}, dead={self.dead})")
 
-    @property
-    def sending(self) -> bool:
-        return self.initiator == (self.op is Op.WRITE)
-
     def wants_slot(self) -> bool:
-        if self.dead or self.next >= len(self.chunks) or self.inflight >= self.engine.settings.depth:
+        if self.dead or self.inflight >= self.depth:
             return False
-        return self.sending or self.accepted or self.initiator  # a READ initiator posts before REQ
+        if self.sending:  # chunks go out once the hello named the peer's connection id (after the REQ)
+            return self.next < len(self.chunks) and self.conn.ready
+        return bool(self.pending) and self.receiving < RECV_AHEAD
 
     def all_landed(self) -> bool:
         return self.finished_chunks == len(self.chunks)
+
+    # ---- arrivals (receiving) ----------------------------------------------------------------
+    def arrive(self, probe, seq_byte: int) -> Exception | None:
+        """A probed chunk for this flow: the ``arrived``-th sent. None, or why it is a protocol error."""
+        k = self.arrived
+        if k >= len(self.chunks):
+            return PeerDisconnectedError(f"peer {self.conn.name!r} sent more chunks than transfer {self.tid} has")
+        if seq_byte != k & 0xFF or probe.length != self.chunks[k].nbytes:
+            return PeerDisconnectedError(f"peer {self.conn.name!r} sent chunk {seq_byte} ({probe.length} bytes) of "
+                                         f"transfer {self.tid} where chunk {k} ({self.chunks[k].nbytes} bytes) was due")
+        self.arrived += 1
+        self.pending.append(probe)
+        return None
 
     # ---- starting chunks ---------------------------------------------------------------------
     def start_chunk(self, slot: Slot) -> None:
@@ -77,9 +99,9 @@ class Flow:
             ids = self.ids[chunk.b0:chunk.b1]
             view, _ = slot.view(chunk.nbytes)
             self.engine.copy(lambda: self.copier.gather(ids, chunk.l0, chunk.l1, view),
-                             lambda err: self._gathered(chunk, slot, err))
+                             lambda err: self._gathered(chunk, slot, err), chunk.nbytes)
         else:
-            self.engine.recv_chunk(self, chunk, slot)
+            self.engine.recv_chunk(self, chunk, slot, self.pending.popleft())
 
     def _gathered(self, chunk: Chunk, slot: Slot, err) -> None:
         if self.dead:
@@ -89,18 +111,7 @@ class Flow:
             self.engine.release(self, slot)
             self.engine.fail(self, err)
             return
-        if self.accepted:
-            self.engine.send_chunk(self, chunk, slot)
-        else:
-            self.ready.append((chunk, slot))
-
-    def on_accept(self, xid: int) -> None:
-        self.accepted = True
-        if self.sending:
-            self.xid = xid
-            ready, self.ready = self.ready, []
-            for chunk, slot in ready:
-                self.engine.send_chunk(self, chunk, slot)
+        self.engine.send_chunk(self, chunk, slot)
 
     # ---- chunk completions -------------------------------------------------------------------
     def sent(self, slot: Slot, err) -> None:
@@ -113,7 +124,7 @@ class Flow:
         self.finished_chunks += 1  # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
-        self.posted.discard(chunk.seq)
+        self.receiving -= 1
         if self.dead or err is not None:
             self.engine.release(self, slot)
             if err is not None and not self.dead:
@@ -121,8 +132,9 @@ class Flow:
             return
         ids = self.ids[chunk.b0:chunk.b1]
         view, _ = slot.view(chunk.nbytes)
+        self.engine.want(self)  # the next arrived chunk can be received while this one is scattered
         self.engine.copy(lambda: self.copier.scatter(view, ids, chunk.l0, chunk.l1, self.sender_layout),
-                         lambda e: self._scattered(slot, e))
+                         lambda e: self._scattered(slot, e), chunk.nbytes)
 
     def _scattered(self, slot: Slot, err) -> None:
         self.engine.release(self, slot)

@@ -1,5 +1,5 @@
 """The UCX transport's control protocol, run on the engine thread: connecting and accepting,
-the hello, and the REQ / ACCEPT / REFUSE / ACK / FIN / CANCEL messages (see ucx_wire)."""
+the hello, and the REQ / REFUSE / ACK / FIN / CANCEL messages (see ucx_wire)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from .ucx_stage import BlockCopier, chunk_list, plan_chunks
 
 __all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
 
-PIPELINE_MIN_CHUNKS = int(os.environ.get("XFER_UCX_MIN_CHUNKS", "4"))  # small transfers still cut this fine (overlap)
-PROBE_BATCH = 64  # control messages taken per loop turn
+# a transfer is cut into about PIPELINE_MIN_CHUNKS chunks (gather, wire and scatter overlap; the
+# first gather and the last scatter are not hidden), none below MIN_CHUNK_BYTES (fixed costs a chunk)
+PIPELINE_MIN_CHUNKS = wire._env_int("XFER_UCX_MIN_CHUNKS", 16)
+MIN_CHUNK_BYTES = wire._env_int("XFER_UCX_MIN_CHUNK_BYTES", 1 << 20)
 
 
 class Protocol:
@@ -29,8 +31,6 @@ class Protocol:
         self.e = engine
         self.ctx = engine.ctx
         self._copiers: dict[int, tuple[object, BlockCopier]] = {}
-        self._self_ep = None
-        self._pill = np.zeros(1, dtype=np.uint8)
 
     # ---- connections -------------------------------------------------------------------------
     def connect(self, md) -> Conn:
@@ -90,11 +90,13 @@ class Protocol:
         waiting, conn.waiting = conn.waiting, []
         for msg in waiting:
             self._send(conn, msg)
+        for flow in list(conn.flows.values()):  # their chunks can be tagged now
+            self.e.want(flow)
 
     def close(self) -> None:
         for conn in list(self.e._conns.values()):
             self.e.conn_failed(conn, PeerDisconnectedError("transport closed"))
-        self._copiers.clear()  # the self endpoint stays until teardown: its pills may be in flight
+        self._copiers.clear()
 
     # ---- control messages --------------------------------------------------------------------
     def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
@@ -113,24 +115,10 @@ class Protocol:
                 self.e.conn_failed(conn, PeerDisconnectedError(f"control message to {conn.name!r} failed: {err}"))
         self.e.tag_send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
 
-    def self_send(self, tag: int) -> None:
-        """An empty message to our own worker, completing a receive nobody will send to."""
-        if self._self_ep is None:
-            self._self_ep = self.e.worker.create_endpoint_from_worker_address(self.e.worker.address, False)
-        self.e.track(self._self_ep.tag_send(self.e.ucx.Array(self._pill), self.e.u.UCXXTag(tag)), lambda err: None)
-
-    def probe(self) -> bool:
-        u, got = self.e.u, 0
-        while got < PROBE_BATCH:
-            probe = self.e.worker.tag_probe(u.UCXXTag(0), u.UCXXTagMask(wire.CTRL_MASK), remove=True)
-            if not probe.matched:
-                break
-            got += 1
-            buf = np.empty(probe.length, dtype=np.uint8)
-            conn_id = probe.sender_tag.value >> 32
-            self.e.track(self.e.worker.tag_recv_with_handle(self.e.ucx.Array(buf), probe),
-                         lambda err, b=buf, c=conn_id: self._on_ctrl(c, b, err))
-        return got > 0
+    def on_ctrl_probe(self, conn_id: int, probe) -> None:
+        """A probed control message (the engine's probe takes every message): receive it."""
+        buf = np.empty(max(probe.length, 1), dtype=np.uint8)
+        self.e.recv_probed(buf, probe, lambda err, b=buf[:probe.length]: self._on_ctrl(conn_id, b, err))
 
     def _on_ctrl(self, conn_id: int, buf: np.ndarray, err) -> None:
         conn = self.e._conns.get(conn_id)
@@ -151,7 +139,7 @@ class Protocol:
             return self._on_req(conn, header, binary)
         if kind is wire.Kind.FIN:
             return self._on_fin(conn, header)
-        init_side = kind in (wire.Kind.ACCEPT, wire.Kind.REFUSE, wire.Kind.ACK) or \
+        init_side = kind in (wire.Kind.REFUSE, wire.Kind.ACK) or \
             (kind is wire.Kind.CANCEL and not header.get("init"))
         flow = self.e._flows.get(header.get("k")) if init_side else self.e._targets.get((conn.local_id, header.get("k")))
         if flow is None or flow.dead or flow.conn is not conn:
@@ -160,10 +148,7 @@ class Protocol:
                                      "may hold and have been notified of blocks reported failed", conn.name,
                                      header.get("k"))
             return  # late message of a dropped transfer
-        if kind is wire.Kind.ACCEPT:
-            flow.on_accept(int(header.get("xid", 0)))
-            self.e.want(flow)
-        elif kind is wire.Kind.REFUSE:
+        if kind is wire.Kind.REFUSE:
             cls = error_class(header.get("error"))
             self.e.fail(flow, cls(f"peer {conn.name!r} refused transfer {flow.tid}: {header.get('message')}"),
                         notify_peer=False)
@@ -190,7 +175,7 @@ class Protocol:
             n = int(job.local_ids.size)
             peer_slot = int((job.peer.metadata.transports.get("ucx") or {}).get("chunk_bytes") or 1 << 62)
             bpc, lpc = plan_chunks(job.local.layout, n, min(self.e.settings.chunk_bytes, peer_slot),
-                                   PIPELINE_MIN_CHUNKS)
+                                   PIPELINE_MIN_CHUNKS, MIN_CHUNK_BYTES)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
         except XferError as exc:
             t._finish(TransferState.FAILED, exc)
@@ -198,8 +183,9 @@ class Protocol:
         flow = Flow(self.e, key=next(self.e._keys), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
                     copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
                     tid=t.id, region=job.peer_region.name, notify=job.notify, peer_name=job.peer.name)
-        if job.op is Op.READ:
-            flow.xid = next(self.e._xids) & 0xFFFFFF or next(self.e._xids)
+        flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
+        if not flow.sending:
+            self.e._rx[(conn.local_id, flow.xid)] = flow
         t.path = self.describe(job.local, copier, pool)
         t._start(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
         self.e._flows[flow.key] = flow
@@ -208,7 +194,7 @@ class Protocol:
                   "xid": flow.xid, "ttl": max(t.time_left(), 0.0), "tid": t.id, "from": self.ctx.agent_name,
                   "layout": job.local.layout.to_dict(), "order": sender.inner_order}
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
-        self.e.want(flow)
+        self.e.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
 
     def _cancelled(self, flow: Flow) -> None:
         if not flow.dead:
@@ -216,8 +202,13 @@ class Protocol:
 
     # ---- target ------------------------------------------------------------------------------
     def _on_req(self, conn: Conn, h: dict, binary: bytes) -> None:
-        key = h.get("k")
+        key, xid = h.get("k"), h.get("xid")
+        fresh = isinstance(xid, int) and 0 < xid < wire.XID_MOD and wire.xid_after(xid, conn.xid)
+        if fresh:
+            conn.xid = xid  # chunks of this xid and older ones no longer wait for a REQ
         try:
+            if not fresh:
+                raise InvalidArgumentError(f"transfer id {xid!r} is not a new one on this connection")
             op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
             if region is None:
                 raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
@@ -237,19 +228,22 @@ class Protocol:
         except (XferError, ValueError, KeyError, TypeError) as exc:
             name = type(exc).__name__ if isinstance(exc, XferError) else "InvalidArgumentError"
             self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": str(exc)})
+            if fresh:
+                self.e.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
             return
         ttl = float(h.get("ttl", 0.0))
         flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn,
                     deadline=time.monotonic() + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
                     sender_layout=theirs if op is Op.WRITE else region.layout, chunks=chunks, pool=pool,
                     tid=str(h.get("tid")), region=region.name, notify=notify, peer_name=str(h.get("from")))
-        flow.accepted = True
-        flow.xid = (next(self.e._xids) & 0xFFFFFF or next(self.e._xids)) if op is Op.WRITE else int(h["xid"])
+        flow.xid = xid
         self.e._targets[(conn.local_id, key)] = flow
         conn.flows[id(flow)] = flow
-        self.send_ctrl(conn, wire.Kind.ACCEPT, {"k": key, "xid": flow.xid})
-        if op is Op.WRITE and not chunks:
-            self.landed(flow)
+        if op is Op.WRITE:
+            self.e._rx[(conn.local_id, xid)] = flow
+            self.e.adopt_early(conn, xid, flow)
+            if not chunks:
+                self.landed(flow)
         self.e.want(flow)
 
     def landed(self, flow: Flow) -> None:

@@ -6,8 +6,9 @@ Tags (64 bits; UCX matches tags per worker, so every tag names the receiving con
     data chunk        (conn << 32) | (xid << 8) | (seq & 0xFF)      xid in 1 .. 2**24-1
 
 ``conn`` is the id the *receiving* side gave the connection in its hello; ``xid`` is the id the
-data receiver gave the transfer (its ring accepts at most ``depth`` <= 255 chunks in flight, so
-``seq & 0xFF`` is unique among them).
+initiator gave the transfer in its REQ (increasing per connection, wrapping past 2**24-1 to 1).
+Chunks of one transfer are sent in ``seq`` order over one endpoint, and UCX keeps that order, so
+the receiver names the k-th arrival chunk k and checks ``seq & 0xFF``.
 
 Hello (UCX stream API, both directions, fixed 256 bytes): ``!4sHI32s`` magic, version, the conn
 id the peer must put in its tags, agent id (32 ASCII hex), then the agent name (UTF-8, NUL padded).
@@ -31,7 +32,7 @@ from ..errors import InvalidArgumentError, PeerDisconnectedError
 __all__ = ["UcxSettings", "Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data_tag",
            "CTRL_MASK", "HELLO_BYTES", "VERSION"]
 
-VERSION = 1
+VERSION = 2  # 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
 MAGIC = b"XFUC"
 HELLO_BYTES = 256
 _HELLO = struct.Struct("!4sHI32s")
@@ -69,12 +70,16 @@ class UcxSettings:
         cut into chunks of whole blocks (or whole layers of one block when a block is bigger).
     depth (XFER_UCX_DEPTH): chunks of one transfer in flight at once (gathered, on the wire or
         being scattered); <= 255.
-    slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers; the staging
-        footprint is ``slots * chunk_bytes`` per kind whatever the transfers' sizes.
+    slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers (>= 2; sends
+        hold at most ``slots - slots // 2``, the rest is kept for receives: see ucx_engine); the
+        staging footprint is ``slots * chunk_bytes`` per kind whatever the transfers' sizes.
     port (XFER_UCX_PORT): listener port (0: any free one).
     address (XFER_UCX_ADDRESS): the address published to peers (default: the agent's control
         ``listen_host``, or this host's name resolved when that is a wildcard).
     keepalive_s (XFER_UCX_KEEPALIVE_S): UCX endpoint keepalive, how soon a silent dead peer is noticed.
+    inline_bytes (XFER_UCX_INLINE_BYTES): chunks up to this size are gathered / scattered on the
+        engine thread itself (two thread hand-offs fewer a chunk: what small transfers wait on);
+        larger ones on the copy thread, overlapping the wire.
     """
 
     chunk_bytes: int = 16 << 20
@@ -83,6 +88,7 @@ class UcxSettings:
     port: int = 0
     address: str | None = None
     keepalive_s: float = 1.0
+    inline_bytes: int = 1 << 20
     ucx_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,10 +96,13 @@ class UcxSettings:
             raise InvalidArgumentError(f"chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
         if not isinstance(self.depth, int) or not 1 <= self.depth <= 255:
             raise InvalidArgumentError(f"depth must be in 1..255, got {self.depth!r}")
-        if not isinstance(self.slots, int) or self.slots < 1:
-            raise InvalidArgumentError(f"slots must be a positive int, got {self.slots!r}")
+        if not isinstance(self.slots, int) or self.slots < 2:
+            raise InvalidArgumentError(f"slots must be an int >= 2 (sends and receives each need one), "
+                                       f"got {self.slots!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port!r}")
+        if not isinstance(self.inline_bytes, int) or self.inline_bytes < 0:
+            raise InvalidArgumentError(f"inline_bytes must be an int >= 0, got {self.inline_bytes!r}")
         if not self.keepalive_s > 0:
             raise InvalidArgumentError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
 
@@ -103,7 +112,8 @@ class UcxSettings:
         return cls(chunk_bytes=_env_int("XFER_UCX_CHUNK_BYTES", d.chunk_bytes),
                    depth=_env_int("XFER_UCX_DEPTH", d.depth), slots=_env_int("XFER_UCX_SLOTS", d.slots),
                    port=_env_int("XFER_UCX_PORT", d.port), address=os.environ.get("XFER_UCX_ADDRESS") or None,
-                   keepalive_s=float(os.environ.get("XFER_UCX_KEEPALIVE_S", d.keepalive_s)))
+                   keepalive_s=float(os.environ.get("XFER_UCX_KEEPALIVE_S", d.keepalive_s)),
+                   inline_bytes=_env_int("XFER_UCX_INLINE_BYTES", d.inline_bytes))
 
     def context_options(self) -> dict:
         """UCX options for the context: tuned defaults, unless the user's environment sets them."""
@@ -115,8 +125,8 @@ class UcxSettings:
 
 
 class Kind(enum.IntEnum):
-    REQ = 1  # initiator -> target: a transfer, to validate
-    ACCEPT = 2  # target -> initiator: valid; WRITE: send chunks with this xid
+    REQ = 1  # initiator -> target: a transfer (its xid), to validate; a WRITE's chunks follow at once
+    # 2 was ACCEPT (wire version 1): the initiator no longer waits for one
     REFUSE = 3  # target -> initiator: invalid (typed error name + message)
     ACK = 4  # WRITE: target -> initiator, every byte landed and the notification was delivered
     FIN = 5  # READ: initiator -> target, every byte landed; deliver the notification
@@ -129,6 +139,19 @@ def ctrl_tag(conn: int) -> int:
 
 def data_tag(conn: int, xid: int, seq: int) -> int:
     return ((conn & 0xFFFFFFFF) << 32) | ((xid & 0xFFFFFF) << 8) | (seq & 0xFF)
+
+
+XID_MOD = 1 << 24
+
+
+def next_xid(xid: int) -> int:
+    """The xid after ``xid`` (1 .. 2**24-1; 0 is never used: its chunk 0 would look like control)."""
+    return xid % (XID_MOD - 1) + 1
+
+
+def xid_after(a: int, b: int) -> bool:
+    """Whether xid ``a`` was issued after ``b`` (serial-number order over the 24-bit wrap)."""
+    return 0 < (a - b) % XID_MOD < XID_MOD // 2
 
 
 def encode(kind: Kind, header: dict, ids: np.ndarray | None = None, payload: bytes = b"") -> np.ndarray:
