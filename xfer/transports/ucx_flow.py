@@ -39,7 +39,7 @@ class Flow:
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
-                 "depth", "queued", "receiving")
+                 "depth", "queued", "receiving", "ready")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
@@ -61,6 +61,7 @@ class Flow:
         self.dead = False
         self.queued = False  # in the engine's queue of flows wanting a slot
         self.started = time.monotonic()
+        self.ready = None  # initiator, CUDA region: the caller's stream event the first copy waits for
 
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "target"
@@ -98,7 +99,7 @@ class Flow:
         if self.sending:
             ids = self.ids[chunk.b0:chunk.b1]
             view, _ = slot.view(chunk.nbytes)
-            self.engine.copy(lambda: self.copier.gather(ids, chunk.l0, chunk.l1, view),
+            self.engine.copy(lambda: (self._wait_ready(), self.copier.gather(ids, chunk.l0, chunk.l1, view)),
                              lambda err: self._gathered(chunk, slot, err), chunk.nbytes)
         else:
             self.engine.recv_chunk(self, chunk, slot, self.pending.popleft())
@@ -133,8 +134,16 @@ class Flow:
         ids = self.ids[chunk.b0:chunk.b1]
         view, _ = slot.view(chunk.nbytes)
         self.engine.want(self)  # the next arrived chunk can be received while this one is scattered
-        self.engine.copy(lambda: self.copier.scatter(view, ids, chunk.l0, chunk.l1, self.sender_layout),
+        self.engine.copy(lambda: (self._wait_ready(),
+                                  self.copier.scatter(view, ids, chunk.l0, chunk.l1, self.sender_layout)),
                          lambda e: self._scattered(slot, e), chunk.nbytes)
+
+    def _wait_ready(self) -> None:
+        """On the copy thread, before the first copy touching the local blocks: let the work the
+        caller queued on its stream before posting (``Job.ready``) finish."""
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            ready.synchronize()
 
     def _scattered(self, slot: Slot, err) -> None:
         self.engine.release(self, slot)

@@ -183,6 +183,7 @@ class Protocol:
         flow = Flow(self.e, key=next(self.e._keys), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
                     copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
                     tid=t.id, region=job.peer_region.name, notify=job.notify, peer_name=job.peer.name)
+        flow.ready = job.ready
         flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
         if not flow.sending:
             self.e._rx[(conn.local_id, flow.xid)] = flow
