@@ -49,7 +49,7 @@ from xfer.errors import InvalidArgumentError, TransportUnavailableError
 from xfer.layout import KVLayout
 
 from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, slot_addresses, staging_tensor,
-                        tensor_spans)
+                        sides_touch, tensor_spans)
 
 __all__ = ["CopyPath", "select_path", "copy_blocks", "gather", "scatter", "swap_out", "swap_in", "copy_table",
            "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
@@ -310,6 +310,17 @@ def _batch_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream | None:
     return _SIDE_STREAMS[index]
 
 
+def _touching(src: _Side, dst: _Side) -> bool | None:
+    """Whether two cached sides' byte ranges meet, computed once per pair (None: not cached)."""
+    if not (src.cached and dst.cached):
+        return None
+    key = ("touch", weakref.ref(dst))
+    hit = src.pairs.get(key)
+    if hit is None:
+        hit = src.pairs[key] = sides_touch(src.spans, dst.spans)
+    return hit
+
+
 def _pair(copy, src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Side, device: torch.device):
     """The kernel tables between two checked sides, built once per (source, destination, device)."""
     key = (weakref.ref(dst), device)
@@ -349,7 +360,8 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     """
     s_ids, d_ids = check_ids(src_layout, src_ids, dst_layout, dst_ids)
     src, dst = _side(src_layout, src_tensors), _side(dst_layout, dst_tensors)
-    check_overlap(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids, spans=(src.spans, dst.spans))
+    check_overlap(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids, spans=(src.spans, dst.spans),
+                  touching=_touching(src, dst))
     path, reason = _choose(src.where, dst.where, slice_bytes(src_layout, dst_layout), path)
     if path not in (CopyPath.TRITON, *_ENGINE_MODE):
         if wait_event is not None:

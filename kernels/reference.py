@@ -46,16 +46,19 @@ def check_ids(src_layout: KVLayout, src_ids, dst_layout: KVLayout, dst_ids) -> t
 
 def check_overlap(src_layout: KVLayout, src: Sequence[torch.Tensor], s_ids: np.ndarray,
                   dst_layout: KVLayout, dst: Sequence[torch.Tensor], d_ids: np.ndarray, *,
-                  spans: tuple | None = None) -> None:
+                  spans: tuple | None = None, touching: bool | None = None) -> None:
     """Raise when the copy would write bytes it also reads (one kernel reads and writes in no fixed
     order); only disjoint blocks of one cache (same layout, same tensors) may share memory.
 
-    ``spans``: the two sides' :func:`tensor_spans`, when the caller has them already.
+    ``spans``: the two sides' :func:`tensor_spans`, when the caller has them already;
+    ``touching``: whether those spans overlap, when the caller knows it (:func:`sides_touch`).
     """
     if not s_ids.size:
         return
-    a, b = spans if spans is not None else (tensor_spans(src_layout, src), tensor_spans(dst_layout, dst))
-    if not _spans_overlap(a, b):
+    if touching is None:
+        a, b = spans if spans is not None else (tensor_spans(src_layout, src), tensor_spans(dst_layout, dst))
+        touching = _spans_overlap(a, b)
+    if not touching:
         return
     same = src_layout == dst_layout and [t.data_ptr() for t in src] == [t.data_ptr() for t in dst]
     common = np.intersect1d(s_ids, d_ids)
@@ -68,6 +71,11 @@ def tensor_spans(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> tuple[np.
     """Byte ranges [lo, hi) the layout may touch in each base tensor (unified addresses are unique)."""
     lo = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
     return lo, lo + np.asarray(layout.tensor_numel, dtype=np.int64) * layout.itemsize
+
+
+def sides_touch(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether any byte range of spans ``a`` meets one of ``b`` (fixed for two fixed sides)."""
+    return _spans_overlap(a, b)
 
 
 def _spans_overlap(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
