@@ -101,7 +101,26 @@ def _peer_main(conn, name, kind, dims, seed, config, device="cpu"):
                 conn.send(("error", type(exc).__name__, str(exc)))
 
 
-class PeerProcess:
+class ChildProcess:
+    """A spawned child (``proc``) driven over a pipe (``conn``): stop it politely, or kill it."""
+
+    def kill(self):
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)  # a frozen child hears "stop" too
+                self.conn.send(("stop", None))
+                self.conn.poll(10)
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+        self.kill()
+
+
+class PeerProcess(ChildProcess):
     """An agent named ``name`` in a child process with a shared-memory KV region ``kv``."""
 
     def __init__(self, name, kind, dims, *, seed=None, config=None, device="cpu"):
@@ -129,20 +148,6 @@ class PeerProcess:
     def stop_signal(self):
         os.kill(self.proc.pid, signal.SIGSTOP)
 
-    def kill(self):
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self):
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-                self.conn.send(("stop", None))
-                self.conn.poll(10)
-            except (OSError, EOFError, BrokenPipeError):
-                pass
-        self.kill()
 
 
 def local_config(**kw) -> AgentConfig:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import byte_view, fill_random, poison
+from helpers import ChildProcess, byte_view, fill_random, poison
 
 ROOT = Path(__file__).resolve().parent.parent
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
@@ -124,7 +124,7 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
             conn.send(("error", type(exc).__name__, str(exc)))
 
 
-class UcxPeer:
+class UcxPeer(ChildProcess):
     """An agent named ``name`` (UCX pinned) in a spawned child, optionally in network namespace
     ``netns``; its KV region ``kv`` holds random bytes (``seed``) or the poison."""
 
@@ -161,21 +161,6 @@ class UcxPeer:
 
     def signal(self, sig) -> None:
         os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-                self.conn.send(("stop", None))
-                self.conn.poll(10)
-            except (OSError, EOFError, BrokenPipeError):
-                pass
-        self.kill()
 
 
 def wait_until(cond, timeout: float, what: str) -> None:

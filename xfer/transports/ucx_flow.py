@@ -115,14 +115,19 @@ class Flow:
         self.engine.send_chunk(self, chunk, slot)
 
     # ---- chunk completions -------------------------------------------------------------------
-    def sent(self, slot: Slot, err) -> None:
+    def _chunk_ended(self, slot: Slot, err) -> bool:
+        """Free the chunk's slot; True when it counts (the flow lives and the chunk succeeded)."""
         self.engine.release(self, slot)
         if self.dead:
-            return
+            return False
         if err is not None:
             self.engine.fail(self, err)
-            return
-        self.finished_chunks += 1  # a READ target then waits for the initiator's FIN
+            return False
+        self.finished_chunks += 1
+        return True
+
+    def sent(self, slot: Slot, err) -> None:
+        self._chunk_ended(slot, err)  # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
         self.receiving -= 1
@@ -146,12 +151,5 @@ class Flow:
             ready.synchronize()
 
     def _scattered(self, slot: Slot, err) -> None:
-        self.engine.release(self, slot)
-        if self.dead:
-            return
-        if err is not None:
-            self.engine.fail(self, err)
-            return
-        self.finished_chunks += 1
-        if self.all_landed():
+        if self._chunk_ended(slot, err) and self.all_landed():
             self.engine.landed(self)
