@@ -5,6 +5,8 @@
 #                              10.77.N.2/24 (N from ID); prints one JSON line describing them
 #   ci/netns.sh down ID        delete both namespaces (the veth pair goes with them); idempotent
 #   ci/netns.sh link ID up|down   bring host A's end of the link up or down (a cut cable)
+#   ci/netns.sh rate ID RATE|off  shape host A's outgoing traffic to RATE (tc tbf, e.g. 40mbit): a slow
+#                              WAN link, so a transfer is surely still running when a fault is injected
 #
 # Traffic stays inside the two namespaces: nothing is routed out of them.
 set -euo pipefail
@@ -49,8 +51,16 @@ case "$cmd" in
     state=${3:?link needs up or down}
     ip -n "$ns_a" link set "$dev_a" "$state"
     ;;
+  rate)
+    rate=${3:?rate needs RATE (e.g. 40mbit) or off}
+    if [ "$rate" = off ]; then
+      ip netns exec "$ns_a" tc qdisc del dev "$dev_a" root 2>/dev/null || true
+    else
+      ip netns exec "$ns_a" tc qdisc replace dev "$dev_a" root tbf rate "$rate" burst 64kb latency 2s
+    fi
+    ;;
   *)
-    echo "usage: $0 up [ID] | down ID | link ID up|down" >&2
+    echo "usage: $0 up [ID] | down ID | link ID up|down | rate ID RATE|off" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
 
 from helpers import assert_blocks_equal, assert_untouched, block_bytes, fill_random, poison  # noqa: E402
-from ucx_helpers import UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
+from ucx_helpers import CHUNK_DELAY, UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache  # noqa: E402
 from xfer.errors import (BlockIdError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,  # noqa: E402
                          TransferCancelledError, TransferTimeoutError)
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 SEED = dict(num_layers=64, num_blocks=256, block_size=4, num_heads=1, head_dim=16)
 KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
 SMALL = dict(num_layers=4, num_blocks=64, block_size=4, num_heads=2, head_dim=8)
-# long enough on CPU to be cut mid-way: 32 MiB in 4,096 chunks of 8 KiB, one in flight
+# long enough to be cut mid-way on any machine: 32 MiB in 4,096 chunks of 8 KiB, one in flight, 2 ms a chunk
 SLOW = dict(num_layers=8, num_blocks=512, block_size=16, num_heads=2, head_dim=64)
-SLOW_ENV = {"XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_DEPTH": "1"}
+SLOW_ENV = {"XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_DEPTH": "1", CHUNK_DELAY: "0.002"}  # >= 8 s a transfer
 
 
 @pytest.fixture

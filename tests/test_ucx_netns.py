@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
 
-from ucx_helpers import NetnsPair, UcxPeer, assert_peer_blocks, expected_blocks, netns_skip_reason  # noqa: E402
+from ucx_helpers import CHUNK_DELAY, NetnsPair, UcxPeer, assert_peer_blocks, expected_blocks, netns_skip_reason  # noqa: E402
 from xfer import LayoutKind  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
@@ -22,7 +22,8 @@ if _reason:
 KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
 SEED = dict(num_layers=64, num_blocks=256, block_size=4, num_heads=1, head_dim=16)
 SLOW = dict(num_layers=8, num_blocks=512, block_size=16, num_heads=2, head_dim=64)
-SLOW_ENV = {"XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_DEPTH": "1"}
+SLOW_ENV = {"XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_DEPTH": "1", CHUNK_DELAY: "0.002"}  # >= 8 s a transfer
+SLOW_RATE = "40mbit"  # A's side of the veth shaped (tc): a slow WAN link
 
 
 @pytest.fixture
@@ -87,6 +88,7 @@ def test_link_cut_then_peer_killed_mid_transfer(hosts):
     pair, start = hosts
     a, b = start("a", "prefill", SLOW, seed=3), start("b", "decode", SLOW, env=SLOW_ENV)
     a.call("connect", b.metadata)
+    pair.rate(SLOW_RATE)  # 32 MiB at 5 MB/s: still running whenever the faults below come, on any machine
     a.call("post", [("write", "decode", list(range(512)), list(range(512)), 3.0, b"cut")])
     _wait_running(a)
     pair.link("down")

@@ -45,11 +45,29 @@ def _enter_netns(name: str) -> None:
     check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mounting sysfs")
 
 
+CHUNK_DELAY = "XFER_TEST_CHUNK_DELAY_S"  # a peer's env: sleep this long per staged chunk (a slow host)
+
+
+def _slow_copies(delay: float) -> None:
+    """Make this process's UCX staging copies take ``delay`` s a chunk more, so a test's transfer is
+    surely still running when it injects a fault, however fast the machine (fault injection only)."""
+    from xfer.transports import ucx_stage
+
+    cls = ucx_stage.BlockCopier
+    for name in ("gather", "scatter"):
+        def slowed(self, *args, _fn=getattr(cls, name), **kw):
+            time.sleep(delay)
+            return _fn(self, *args, **kw)
+        setattr(cls, name, slowed)
+
+
 def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
     try:
         if netns:
             _enter_netns(netns)  # before any thread exists: the whole process moves
         os.environ.update(env)
+        if float(os.environ.get(CHUNK_DELAY, 0)):
+            _slow_copies(float(os.environ[CHUNK_DELAY]))
         from xfer import Agent, AgentConfig, make_kv_cache
 
         tensors, layout = make_kv_cache(kind, **dims)
@@ -198,6 +216,12 @@ class NetnsPair:
 
     def link(self, state: str) -> None:
         subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "link", self.id, state], check=True)
+
+    def rate(self, rate: str) -> None:
+        """Shape A's outgoing traffic (``"40mbit"``, or ``"off"``); skips the test where ``tc`` is missing."""
+        if shutil.which("tc") is None:
+            pytest.skip("the `tc` tool (iproute2) is not installed: cannot slow the link down")
+        subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "rate", self.id, rate], check=True)
 
     def close(self) -> None:
         subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "down", self.id], check=False)
