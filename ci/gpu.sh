@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|nvshmem|xferbench|engine|copycal|all]...   (default: all;
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|xferbench|engine|copycal|all]...   (default: all;
 # copycal, the kernel vs copy-engine calibration that writes the auto table, runs only when named)
-# Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _NVSHMEM, _XFERBENCH,
+# Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
 # written is also packed into $OUT/gpu-out.tgz (the device tool returns at most 8 files).
@@ -38,7 +38,18 @@ step_s=${XFER_GPU_STEP_S:-300}
 rc=0
 run_step() {  # run_step NAME CMD...: NAME's limit is XFER_GPU_S_NAME, else XFER_GPU_STEP_S
   local var="XFER_GPU_S_$1"; shift
-  timeout -k 10 "${!var:-$step_s}" "$@"
+  # its own process group, killed afterwards: a PE process a hung test left spinning on the GPU
+  # would otherwise slow every later step's figures down (seen: a 10x slower "ceiling")
+  setsid timeout -k 10 "${!var:-$step_s}" "$@" &
+  local pid=$! code
+  wait $pid; code=$?
+  kill -9 -- -$pid 2>/dev/null
+  local left; left=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null)
+  if [ -n "$left" ]; then
+    echo "gpu.sh: processes still on the GPU after the step, killed: $left" >&2
+    for p in $(echo "$left" | cut -d, -f1); do kill -9 "$p" 2>/dev/null; done
+  fi
+  return $code
 }
 for step in $what; do
   case $step in
@@ -48,6 +59,12 @@ for step in $what; do
       run_step KERNELS python3 -m xfer.bench.kernels_table --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ipc|all)
       run_step IPC python3 -m xfer.bench.ipc_bench --out "$OUT/ipc.json" ${XFER_IPC_ARGS:-} 2>&1 | tee "$OUT/ipc.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    probe|all)
+      # each NVSHMEM on-stream primitive alone, with deadlines: one PE (self), then two PEs on the GPU(s)
+      for n in 1 2; do
+        run_step PROBE python3 -m xfer.bench.nvshmem_probe --pes $n --devices "0,$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))" \
+          2>&1 | tee -a "$OUT/nvshmem-probe.log"
+      done ;;&
     nvshmem|all)
       run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     xferbench|all)

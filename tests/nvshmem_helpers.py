@@ -102,6 +102,9 @@ class FakeRuntime:
         self.lanes = Lanes(self)
         self.closed = False
 
+    def describe(self):
+        return f"PE {self.pe}/{self.size} (fake): data words {self.data.tolist()}, credit words {self.credit.tolist()}"
+
     # streams
     def bind_thread(self):
         pass
@@ -316,9 +319,12 @@ def _pe_main(conn, group_kw, config_kw):
                 t.wait()
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed}
             except Exception as exc:  # noqa: BLE001 - reported as data
+                from xfer.bench.nvshmem_probe import _host  # a report must not hang behind a stuck GPU copy
+
+                words, err, _ = _host(tr.rt.describe, 5.0)
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed, "error": type(exc).__name__,
-                        "message": str(exc), "words": tr.rt.describe() if hasattr(tr.rt, "describe") else "",
-                        "lanes": repr(getattr(tr.rt, "lanes", None)), "threads": _thread_stacks()}
+                        "message": str(exc), "words": err or words, "threads": _thread_stacks(),
+                        "lanes": repr(getattr(tr.rt, "lanes", None))}
         if cmd == "bytes":
             _sync()
             return [byte_view(t).cpu().numpy().copy() for t in caches[a["agent"], a["region"]][0]]

@@ -510,7 +510,7 @@ def one_pe_self_put():
             pe.call("region", {"agent": "b", "region": "kv", "kind": NHD.value, "dims": GPU_DIMS, "memory": "torch"})
             connect(pe, pe, b_agent="b")
             src, dst = list(range(31, 1, -1)), list(range(30))
-            res = transfer(pe, "write", "b", src, dst, notify=b"self", timeout=30)
+            res = transfer(pe, "write", "b", src, dst, notify=b"self", timeout=10)
             assert res["state"] == "DONE", res
             assert pe.call("wait_notification", {"agent": "b", "timeout": 10})[3] == dst
             mine, theirs = fetch(pe, "kv", layout), fetch(pe, "kv", layout, agent="b")
@@ -719,3 +719,14 @@ def test_gpu_test_bodies_dry_run_on_the_fake(body, monkeypatch):
           "registered": test_gpu_register_existing_pool_on_the_symmetric_heap,
           "expiry": test_gpu_deadline_expiry_then_exact_transfers}[body]
     fn(*([(0, 0)] if body in ("staged", "direct") else []))
+
+
+def test_probe_steps_pass_on_the_fake(monkeypatch):
+    """The GPU probe (xfer.bench.nvshmem_probe) run on the CPU stand-in: every step passes there."""
+    from xfer.bench import nvshmem_probe
+
+    FakeFabric().install(monkeypatch)
+    with open_store("tcp://127.0.0.1:0") as store:
+        lines = nvshmem_probe.pe_main(0, 1, 0, store.endpoint, limit=5.0)
+    body = [line for line in lines[1:] if "words" not in line and "teardown" not in line]
+    assert len(body) == 10 and all(line.endswith(": ok") or ": ok " in line for line in body), lines
