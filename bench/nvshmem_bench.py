@@ -143,13 +143,20 @@ def _run_paths(agent, tr, decode, dev, src, dst, iters, rows, paths):
         agent.register(region, tensors, layout)
         peer = agent.connect(decode.reply("region"))
         before = dict(tr.stats)
-        agent.write(peer, src, dst, region=region, peer_region=region, timeout=120).wait()
+        print(f"nvshmem bench: {path} path ({memory} KV caches): verifying one write", flush=True)
+        t = agent.write(peer, src, dst, region=region, peer_region=region, timeout=30)
+        try:
+            t.wait()
+        except Exception as exc:  # noqa: BLE001 - the state of the PE says why
+            raise SystemExit(f"nvshmem bench: {path} path: the verifying write failed: {exc!r}\n"
+                             f"{tr.rt.describe()}\n{tr.rt.lanes!r}") from None
         taken = {k: v - before.get(k, 0) for k, v in tr.stats.items() if v != before.get(k, 0)}
         digests, clean = decode.call("check", (region, dst.tolist()))
         if not clean or digests != block_digests(layout, tensors, src):
             raise SystemExit(f"nvshmem bench: {path} path: destination bytes differ from the source "
                              f"(untouched blocks clean: {clean}); refusing to time")
         paths[path] = {"verified": True, "counted_as": taken}
+        print(f"nvshmem bench: {path} path verified byte-exact ({t.elapsed * 1e3:.1f} ms); timing", flush=True)
         nbytes = len(src) * layout.bytes_per_block
         if not rows:
             a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -213,6 +220,7 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"nvshmem bench: {agent.unavailable.get(TransportKind.NVSHMEM)}")
             tr = agent.transports[TransportKind.NVSHMEM]
             info = {"prefill": tr.info(), "decode": decode.reply("init")}
+            print(f"nvshmem bench: 2 PEs up, status {info['prefill'].get('status')}", flush=True)
             try:
                 nbytes, layout = _run_paths(agent, tr, decode, dev, src, dst, args.iters, rows, paths)
                 info["stats"] = dict(tr.stats)

@@ -95,6 +95,17 @@ def pe_main(rank: int, size: int, device: int, store_url: str, limit: float, con
     say(f"PE {rank}: {_step(rt, f'set PE {prev} credit word := 7 (remote write)', lambda s: rt.send_credit(s, prev, ROLE, 7), limit)}")
     say(f"PE {rank}: {_step(rt, f'wait own credit word (from PE {nxt}) >= 7', lambda s: rt.wait_credit(s, nxt, ROLE, 7), limit)}")
     _barrier(conn)
+    # the pipeline's order: the receiver's wait is queued before the sender's put-with-signal
+    waiting = rt.new_stream()
+    _, err, _ = _host(lambda: rt.wait_data(waiting, prev, ROLE, 8), limit)
+    landed = rt.record(waiting)
+    say(f"PE {rank}: {_step(rt, f'put-with-signal to PE {nxt} (:= 8) after the wait was queued', lambda s: rt.put_signal(s, nxt, ROLE, 8, 4096), limit)}")
+    end = time.monotonic() + limit
+    while not landed.query() and time.monotonic() < end:
+        time.sleep(1e-4)
+    say(f"PE {rank}: wait >= 8 queued first, released by the put: "
+        f"{'FAIL (' + err + ')' if err else 'ok' if landed.query() else 'STUCK'}")
+    _barrier(conn)
     # a wait that only another stream releases (how a failed lane drains)
     blocked = rt.new_stream()
     _, err, _ = _host(lambda: rt.wait_data(blocked, prev, ROLE, 100), limit)

@@ -404,7 +404,7 @@ class PeProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 
-    def close(self, timeout=60.0):
+    def close(self, timeout=25.0):
         """Close every agent of the process (see ``close_group`` to close PEs together)."""
         if self.proc.is_alive():
             try:
@@ -442,7 +442,7 @@ class PeThread(PeProcess):
         pass
 
 
-def close_group(pes, timeout=60.0) -> list:
+def close_group(pes, timeout=25.0) -> list:
     """Close every live PE at once (teardown is collective); returns each close reply (or the error)."""
     live = [pe for pe in pes if pe.proc.is_alive()]
     for pe in live:

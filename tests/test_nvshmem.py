@@ -491,6 +491,8 @@ def fetch(pe, region, layout, agent=None):
 
 def transfer(pe, op, peer, src, dst, **kw):
     res = pe.call("transfer", {"op": op, "peer": peer, "src": list(src), "dst": list(dst), **kw})
+    if res["state"] != "DONE":  # printed now: a later hang (closing a stuck lane) would lose the report
+        print(f"{pe.name}: {op} -> {res['state']}: " + "\n".join(f"  {k}: {v}" for k, v in res.items()), flush=True)
     return res
 
 
@@ -729,4 +731,4 @@ def test_probe_steps_pass_on_the_fake(monkeypatch):
     with open_store("tcp://127.0.0.1:0") as store:
         lines = nvshmem_probe.pe_main(0, 1, 0, store.endpoint, limit=5.0)
     body = [line for line in lines[1:] if "words" not in line and "teardown" not in line]
-    assert len(body) == 10 and all(line.endswith(": ok") or ": ok " in line for line in body), lines
+    assert len(body) == 12 and all(line.endswith(": ok") or ": ok " in line for line in body), lines
