@@ -69,11 +69,13 @@ class PrefillInstance:
                  agent_config: AgentConfig | None = None, torch_model=None, tp: tuple[int, int] | None = None):
         self.name, self.spec, self.rank, self.heads = name, model, rank, heads
         self.lease_s, self.transfer_timeout_s = lease_s, transfer_timeout_s
-        # True: hold the last layer's write until the first token is known and send both in one
-        # write. False: post the last layer at once (it overlaps that layer's MLP and lm_head) and
-        # the token as its own zero-block message; faster on the H200 (bench/results), but its one
-        # 8B run there returned tokens that differ from HF from the 6th on (unexplained): not the default.
-        self.hold_last = True
+        # False (default): post the last layer at once (it overlaps that layer's MLP and lm_head) and
+        # the token as its own zero-block message. True: hold the last layer's write until the first
+        # token is known and send both in one write. On the H200 (8B, 4k prompt, 15 paired runs,
+        # bench/results/2026-12-03-h200-engine.json) the message adds a median 1.5 % to TTFT, holding
+        # 2.6 %. Both have returned tokens that differ from HF's, only ever from a step where HF's
+        # top-2 logits tie exactly (gap 0): another kernel's rounding picks the other token there.
+        self.hold_last = False
         self.device = torch.device(pool.device)
         self.model = torch_model if torch_model is not None else build_model(model, self.device)
         self.tp = tuple(tp) if tp else (0, 1)
