@@ -58,6 +58,37 @@ def _step(rt, name: str, queue, limit: float) -> str:
     return f"{name}: ok {1e3 * (time.monotonic() - start):.2f} ms"
 
 
+def _queued(rt, queue) -> dict:
+    """Queue ``queue(stream)`` then an event on a fresh stream, from a thread of its own."""
+    box = {"stream": rt.new_stream()}
+
+    def run():
+        try:
+            queue(box["stream"])
+            box["event"] = rt.record(box["stream"])
+        except BaseException as exc:  # noqa: BLE001 - reported
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    box["thread"] = threading.Thread(target=run, daemon=True)
+    box["thread"].start()
+    return box
+
+
+def _released(box: dict, limit: float) -> str:
+    """Whether a ``_queued`` wait has passed within ``limit``."""
+    end = time.monotonic() + limit
+    box["thread"].join(limit)
+    if box["thread"].is_alive():
+        return f"STUCK (the host call did not return within {limit:g} s)"
+    if "error" in box:
+        return f"FAIL ({box['error']})"
+    while not box["event"].query():
+        if time.monotonic() > end:
+            return f"STUCK (the stream did not pass the wait within {limit:g} s)"
+        time.sleep(1e-4)
+    return "ok"
+
+
 def _words(rt, limit: float) -> str:
     out, err, _ = _host(rt.describe, limit)
     return err or out
@@ -95,29 +126,19 @@ def pe_main(rank: int, size: int, device: int, store_url: str, limit: float, con
     say(f"PE {rank}: {_step(rt, f'set PE {prev} credit word := 7 (remote write)', lambda s: rt.send_credit(s, prev, ROLE, 7), limit)}")
     say(f"PE {rank}: {_step(rt, f'wait own credit word (from PE {nxt}) >= 7', lambda s: rt.wait_credit(s, nxt, ROLE, 7), limit)}")
     _barrier(conn)
-    # the pipeline's order: the receiver's wait is queued before the sender's put-with-signal
-    waiting = rt.new_stream()
-    _, err, _ = _host(lambda: rt.wait_data(waiting, prev, ROLE, 8), limit)
-    landed = rt.record(waiting)
+    # the pipeline's order: the receiver's wait is queued before the sender's put-with-signal (a
+    # self put's wait blocks its thread until the put is queued: see SelfSignals), on its own thread
+    waiting = _queued(rt, lambda s: rt.wait_data(s, prev, ROLE, 8))
     say(f"PE {rank}: {_step(rt, f'put-with-signal to PE {nxt} (:= 8) after the wait was queued', lambda s: rt.put_signal(s, nxt, ROLE, 8, 4096), limit)}")
-    end = time.monotonic() + limit
-    while not landed.query() and time.monotonic() < end:
-        time.sleep(1e-4)
-    say(f"PE {rank}: wait >= 8 queued first, released by the put: "
-        f"{'FAIL (' + err + ')' if err else 'ok' if landed.query() else 'STUCK'}")
+    say(f"PE {rank}: wait >= 8 queued first, released by the put: {_released(waiting, limit)}")
     _barrier(conn)
     # a wait that only another stream releases (how a failed lane drains)
-    blocked = rt.new_stream()
-    _, err, _ = _host(lambda: rt.wait_data(blocked, prev, ROLE, 100), limit)
-    gate = rt.record(blocked)
+    blocked = _queued(rt, lambda s: rt.wait_data(s, prev, ROLE, 100))
     time.sleep(0.05)
-    early = gate.query()
+    early = blocked["event"].query() if "event" in blocked else False
     say(f"PE {rank}: {_step(rt, 'set own data word := 100 from a side stream', lambda s: rt.set_own_data(s, prev, ROLE, 100), limit)}")
-    end = time.monotonic() + limit
-    while not gate.query() and time.monotonic() < end:
-        time.sleep(1e-4)
-    say(f"PE {rank}: wait >= 100 released by the side stream: "
-        f"{'FAIL (' + err + ')' if err else 'passed too early' if early else 'ok' if gate.query() else 'STUCK'}")
+    result = _released(blocked, limit)
+    say(f"PE {rank}: wait >= 100 released by the side stream: {'passed too early' if early else result}")
     say(f"PE {rank}: words {_words(rt, limit)}")
     _barrier(conn)
     _, err, secs = _host(lambda: nvshmem_runtime.release(rt), 30.0)

@@ -147,10 +147,10 @@ class FakeRuntime:
             peer.data[p.word(self.pe, role)] = seq
         stream.put(op)
 
-    def wait_data(self, stream, src, role, value):
+    def wait_data(self, stream, src, role, value, check=None):
         stream.put(lambda: bool(self.data[self.plan.word(src, role)] >= value))
 
-    def wait_credit(self, stream, dst, role, value):
+    def wait_credit(self, stream, dst, role, value, check=None):
         stream.put(lambda: bool(self.credit[self.plan.word(dst, role)] >= value))
 
     def send_credit(self, stream, src, role, value):

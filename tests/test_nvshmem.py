@@ -732,3 +732,36 @@ def test_probe_steps_pass_on_the_fake(monkeypatch):
         lines = nvshmem_probe.pe_main(0, 1, 0, store.endpoint, limit=5.0)
     body = [line for line in lines[1:] if "words" not in line and "teardown" not in line]
     assert len(body) == 12 and all(line.endswith(": ok") or ": ok " in line for line in body), lines
+
+
+def test_self_signals_order_a_self_put_by_events():
+    """A self put's waits block the lane thread until the setter posted the value's event; a floor
+    (own initialisation or drain) releases without one; ``check`` stops a wait; old events age out."""
+    sig = nvshmem_runtime.SelfSignals()
+    key = ("data", 0)
+    got = {}
+
+    def waiter():
+        got["event"] = sig.wait(key, 3)
+        got["at"] = time.monotonic()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive()  # nothing posted yet: the waiter is held on the host
+    sig.post(key, 2, "e2")
+    time.sleep(0.02)
+    assert t.is_alive()  # 2 < 3
+    posted = time.monotonic()
+    sig.post(key, 3, "e3")
+    t.join(2)
+    assert got["event"] == "e3" and got["at"] >= posted
+    assert sig.wait(key, 2) == "e2"  # an earlier value still orders after its own event
+    sig.floor(key, 10)  # a drain: everything up to 10 is released, no event to order after
+    assert sig.wait(key, 9) is None
+    with pytest.raises(TransferTimeoutError):  # the item's check stops a wait that cannot come
+        sig.wait(("credit", 0), 1, check=lambda: (_ for _ in ()).throw(TransferTimeoutError("deadline")))
+    for v in range(11, 11 + nvshmem_runtime.SelfSignals.KEEP + 5):
+        sig.post(key, v, f"e{v}")
+    assert sig.wait(key, 11) is None  # dropped long ago: completed
+    assert sig.wait(key, 11 + nvshmem_runtime.SelfSignals.KEEP + 4) == f"e{11 + nvshmem_runtime.SelfSignals.KEEP + 4}"

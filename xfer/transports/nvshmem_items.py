@@ -42,7 +42,7 @@ def _send_chunk(lane, item, k: int):
     start, end = item.plan.bounds(k)
     nbytes = (end - start) * item.layout.bytes_per_block
     if s - rt.plan.depth >= 1:
-        rt.wait_credit(lane.stream, lane.peer, lane.role, s - rt.plan.depth)
+        rt.wait_credit(lane.stream, lane.peer, lane.role, s - rt.plan.depth, check=lambda: item.check(lane))
     ready = getattr(getattr(item, "job", None), "ready", None)
     if k == 0 and ready is not None:  # the caller's stream had queued the KV this gathers
         lane.stream.wait_event(ready)
@@ -56,7 +56,7 @@ def _recv_chunk(lane, item, k: int):
     rt, s = lane.rt, item.seq0 + k
     start, end = item.plan.bounds(k)
     nbytes = (end - start) * item.layout.bytes_per_block
-    rt.wait_data(lane.stream, lane.peer, lane.role, s)
+    rt.wait_data(lane.stream, lane.peer, lane.role, s, check=lambda: item.check(lane))
     keep = rt.scatter(lane.stream, lane.peer, lane.role, s, nbytes, item.layout, item.tensors, item.ids[start:end],
                       item.sender_layout.staging(end - start))
     rt.send_credit(lane.stream, lane.peer, lane.role, s)
@@ -67,7 +67,8 @@ def _send_all(lane, item) -> None:
     """Queue every chunk of a sending item and wait until the receiver has scattered the last."""
     lane.enqueue(lambda: lane.rt.set_own_credit(lane.stream, lane.peer, lane.role, item.seq0 - 1))
     item.keep = lane.pump(item, item.plan.chunks, lambda k: _send_chunk(lane, item, k))
-    done = lane.enqueue(lambda: (lane.rt.wait_credit(lane.stream, lane.peer, lane.role, item.last),
+    done = lane.enqueue(lambda: (lane.rt.wait_credit(lane.stream, lane.peer, lane.role, item.last,
+                                                     check=lambda: item.check(lane)),
                                  lane.rt.record(lane.stream))[1])
     lane.wait_event(item, done)
 

@@ -101,6 +101,65 @@ def release(rt) -> None:
         _Tried.init = False
 
 
+class SelfSignals:
+    """A PE's signals to itself (two agents of one process: a self put), as CUDA events.
+
+    A stream memory wait (``cuStreamWaitValue64``, NVSHMEM's on-stream wait) is invisible to CUDA's
+    scheduler: the CUDA documentation warns that work it orders must also be ordered by events,
+    else the scheduler may serialise independent streams behind it. Streams share a few hardware
+    queues (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8), so a receiver stream waiting on a word can
+    hold up the sender stream of the same process that would set it. Between two processes
+    there is no such sharing; inside one there is, so a self put orders its chunks by events:
+    the setting side records an event after each value it sets (``post``), the waiting side's lane
+    thread waits on the host until that event exists (checking its deadline: ``check``), then
+    queues ``stream.wait_event``. ``floor`` lifts a word without an event (a lane's own
+    initialisation and drain). Values are waited with ``>=``, as the words are.
+    """
+
+    KEEP = 256  # events kept per word behind the newest; older ones have completed
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._events: dict[tuple, dict[int, object]] = {}
+        self._floor: dict[tuple, int] = {}
+        self._top: dict[tuple, int] = {}
+
+    def post(self, key: tuple, value: int, event) -> None:
+        with self._cond:
+            events = self._events.setdefault(key, {})
+            events[value] = event
+            self._top[key] = max(self._top.get(key, 0), value)
+            for old in [v for v in events if v < value - self.KEEP]:
+                del events[old]
+            self._cond.notify_all()
+
+    def floor(self, key: tuple, value: int) -> None:
+        with self._cond:
+            self._floor[key] = max(self._floor.get(key, 0), value)
+            self._cond.notify_all()
+
+    def wait(self, key: tuple, value: int, check=None, poll: float = 1e-3):
+        """The event to order after for ``word >= value`` (None: nothing to wait for); blocks the
+        calling thread until the setter has posted it, calling ``check()`` (which raises to stop)
+        between polls."""
+        with self._cond:
+            while True:
+                if self._floor.get(key, 0) >= value:
+                    return None
+                events = self._events.get(key, {})
+                if value in events:
+                    return events[value]
+                if self._top.get(key, 0) >= value:  # posted, then dropped as long completed
+                    return None
+                if check is not None:
+                    self._cond.release()
+                    try:
+                        check()
+                    finally:
+                        self._cond.acquire()
+                self._cond.wait(poll)
+
+
 class _Tried:
     init = False  # nvshmem.core.init was called by the runtime being set up
 
@@ -127,6 +186,7 @@ class Runtime:
         self.lock = threading.RLock()
         self.session, self.status = "", "unknown"
         self._mpg = None  # nvshmem_mpg.MpgOps when NVSHMEM runs in limited MPG mode
+        self._self = SelfSignals()  # a self put's order, as events (see SelfSignals)
         self._limited_mpg = False
         self.teardown = "open"  # then "finalized: why" or "skipped: why"
         self._tensors: list[torch.Tensor] = []  # from nvshmem.core.tensor, in allocation order
@@ -299,6 +359,8 @@ class Runtime:
                                               self._send_ptr + p.position(dst, role, seq), nbytes,
                                               self._data_ptr + 8 * p.word(self.pe, role), seq, self._SET, dst,
                                               stream.cuda_stream)
+        if dst == self.pe:
+            self._self.post(("data", p.word(self.pe, role)), seq, self.record(stream))
 
     def _wait(self, stream, addr: int, value: int) -> None:
         if self._mpg is not None:  # limited MPG: NVSHMEM exits the process on its own wait
@@ -321,21 +383,37 @@ class Runtime:
         with self.lock:
             self._nvb.signal_op_on_stream(addr, value, self._SET, pe, stream.cuda_stream)
 
-    def wait_data(self, stream, src: int, role: int, value: int) -> None:
+    def _wait_self(self, stream, key: tuple, value: int, check) -> None:
+        event = self._self.wait(key, value, check)
+        if event is not None:
+            stream.wait_event(event)
+
+    def wait_data(self, stream, src: int, role: int, value: int, check=None) -> None:
+        """Queue: go on once src's data word for ``role`` is >= value (``check``: see SelfSignals)."""
+        if src == self.pe:
+            return self._wait_self(stream, ("data", self.plan.word(src, role)), value, check)
         self._wait(stream, self._data_ptr + 8 * self.plan.word(src, role), value)
 
-    def wait_credit(self, stream, dst: int, role: int, value: int) -> None:
+    def wait_credit(self, stream, dst: int, role: int, value: int, check=None) -> None:
+        if dst == self.pe:
+            return self._wait_self(stream, ("credit", self.plan.word(dst, role)), value, check)
         self._wait(stream, self._credit_ptr + 8 * self.plan.word(dst, role), value)
 
     def send_credit(self, stream, src: int, role: int, value: int) -> None:
         """src's credit word for (me, role) := value."""
         self._set(stream, self._credit_ptr + 8 * self.plan.word(self.pe, role), value, src)
+        if src == self.pe:
+            self._self.post(("credit", self.plan.word(self.pe, role)), value, self.record(stream))
 
     def set_own_credit(self, stream, dst: int, role: int, value: int) -> None:
         self._set(stream, self._credit_ptr + 8 * self.plan.word(dst, role), value, self.pe)
+        if dst == self.pe:
+            self._self.floor(("credit", self.plan.word(dst, role)), value)
 
     def set_own_data(self, stream, src: int, role: int, value: int) -> None:
         self._set(stream, self._data_ptr + 8 * self.plan.word(src, role), value, self.pe)
+        if src == self.pe:
+            self._self.floor(("data", self.plan.word(src, role)), value)
 
     def quiet(self, stream) -> None:
         with self.lock:
