@@ -308,6 +308,34 @@ def test_chunk_plan_bounds_the_staging_footprint():
         assert len(covered) == n * layout.num_layers
 
 
+def test_chunk_layouts_are_memoized_and_kernel_copies_round_trip():
+    """The copier's per-chunk layouts are built once per (layout, layers, blocks); the kernel path
+    (not whole rows: packed K|V; an HND sender into NHD rows converts) still moves exact bytes."""
+    import torch
+
+    from xfer import KVLayout
+    from xfer.transports.ucx_stage import BlockCopier, staging_layout, sub_layout
+
+    src_t, layout = make_kv_cache(LayoutKind.PACKED_KV, **SMALL)
+    fill_random(src_t, seed=3)
+    sub = sub_layout(layout, 1, 3)
+    assert sub is sub_layout(layout, 1, 3) is sub_layout(KVLayout.from_dict(layout.to_dict()), 1, 3)
+    assert sub.num_layers == 2 and sub_layout(layout, 0, layout.num_layers) == layout
+    assert staging_layout(layout, 1, 3, 5) is staging_layout(layout, 1, 3, 5) == sub.staging(5)
+    ids, to = np.array([5, 1, 9]), np.array([0, 7, 3])
+    for kind in (LayoutKind.PACKED_KV, LayoutKind.VLLM_FLASH_ATTN_NHD):
+        dst_t, dst_layout = make_kv_cache(kind, **SMALL)
+        poison(dst_t)
+        src, dst = BlockCopier(layout, src_t), BlockCopier(dst_layout, dst_t)
+        assert src._kw == {} and not src.rows
+        for l0, l1 in ((0, 1), (1, 3), (3, 4)):
+            buf = torch.empty(ids.size * (l1 - l0) * layout.num_kv * layout.block_nbytes, dtype=torch.uint8)
+            src.gather(ids, l0, l1, buf)
+            dst.scatter(buf, to, l0, l1, layout)  # the staging is in the sender's (packed: HNC) order
+        assert_blocks_equal(layout, src_t, ids, dst_layout, dst_t, to)
+        assert_untouched(dst_layout, dst_t, to)
+
+
 # small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
 RING = dict(num_layers=4, num_blocks=256, block_size=8, num_heads=1, head_dim=32)  # 4 KiB a block
 RING_ENV = {"UCX_RNDV_THRESH": "4k", "XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_SLOTS": "2", "XFER_UCX_DEPTH": "2"}

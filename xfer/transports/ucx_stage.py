@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import queue
 import threading
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ import torch
 from ..errors import InvalidArgumentError
 from ..layout import KVLayout
 
-__all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout"]
+__all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout",
+           "staging_layout"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> list[Chunk]:
     return out
 
 
+# Layouts of a chunk, memoized: building one checks every slot (~0.1 ms for 128 slots), and a
+# transfer's chunks repeat a few (l0, l1, n) shapes. KVLayout is frozen and hashable (its hash is
+# computed once), so the same objects also hit xfer.kernels' own per-layout caches.
+@functools.lru_cache(maxsize=256)
 def sub_layout(layout: KVLayout, l0: int, l1: int) -> KVLayout:
     """``layout`` restricted to layers ``l0:l1`` (same base tensors)."""
     if (l0, l1) == (0, layout.num_layers):
@@ -82,6 +88,12 @@ def sub_layout(layout: KVLayout, l0: int, l1: int) -> KVLayout:
     d.update(num_layers=l1 - l0, slot_tensor=d["slot_tensor"][l0 * k:l1 * k],
              slot_offset=d["slot_offset"][l0 * k:l1 * k])
     return KVLayout.from_dict(d)
+
+
+@functools.lru_cache(maxsize=256)
+def staging_layout(layout: KVLayout, l0: int, l1: int, n: int) -> KVLayout:
+    """The staging layout of ``n`` blocks of layers ``l0:l1`` of ``layout`` (a chunk's bytes)."""
+    return sub_layout(layout, l0, l1).staging(n)
 
 
 class Slot:
@@ -159,6 +171,9 @@ class BlockCopier:
         self.rows = self._rows() if self.device.type == "cpu" else None
         self.span = self._span() if self.rows else None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CUDA: every copy runs on ``stream`` and is waited for before the call returns, so the
+        # tensors need no record_stream (one per base tensor a call: 100+ on a 64-layer cache)
+        self._kw = {"stream": self.stream, "record_stream": False} if self.stream is not None else {}
 
     @property
     def path(self) -> str:
@@ -207,19 +222,20 @@ class BlockCopier:
     def _kernel_gather(self, ids, l0, l1, out) -> None:
         from xfer.kernels import gather
 
-        event = gather(sub_layout(self.layout, l0, l1), self.tensors, ids, out, stream=self.stream) \
-            if self.stream is not None else gather(sub_layout(self.layout, l0, l1), self.tensors, ids, out)
-        if event is not None:
-            event.synchronize()
+        _wait(gather(sub_layout(self.layout, l0, l1), self.tensors, ids, out, **self._kw))
 
     def _kernel_scatter(self, src, ids, l0, l1, sender) -> None:
         from xfer.kernels import scatter
 
-        staging = sub_layout(sender, l0, l1).staging(len(ids))
-        kw = {"stream": self.stream} if self.stream is not None else {}
-        event = scatter(src, sub_layout(self.layout, l0, l1), self.tensors, ids, staging_layout=staging, **kw)
-        if event is not None:
-            event.synchronize()
+        _wait(scatter(src, sub_layout(self.layout, l0, l1), self.tensors, ids,
+                      staging_layout=staging_layout(sender, l0, l1, len(ids)), **self._kw))
+
+
+def _wait(event) -> None:
+    """A CUDA copy's event (None on the CPU paths): the chunk's bytes must be in place before the
+    slot goes on the wire (gather) or back to the pool (scatter)."""
+    if event is not None:
+        event.synchronize()
 
 
 class Copier:
