@@ -68,6 +68,11 @@ class UcxSettings:
 
     chunk_bytes (XFER_UCX_CHUNK_BYTES): bytes per staging slot and wire message; a transfer is
         cut into chunks of whole blocks (or whole layers of one block when a block is bigger).
+        One size for every memory kind: it is published to peers (``chunk_bytes`` in ``info()``),
+        the initiator plans with the smaller of the two sides' and the target refuses bigger
+        chunks, so a larger size for CUDA staging alone would need a per-kind wire field. Where
+        each chunk's fixed cost dominates (device memory), raise it on both sides (host pools
+        grow alike) and lower XFER_UCX_MIN_CHUNKS (a transfer is cut into at least that many).
     depth (XFER_UCX_DEPTH): chunks of one transfer in flight at once (gathered, on the wire or
         being scattered); <= 255.
     slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers (>= 2; sends
