@@ -15,7 +15,18 @@ timing. ``post_us`` is the wall time of the ``write`` call alone (host CPU to po
 ``post_cpu_us`` its thread CPU time (posted to an idle agent), ``post_burst_cpu_us`` the thread
 CPU time of one ``write`` among eight posted back to back.
 
-    python bench/ucx_bench.py [--iters 7] [--netns] [--json out.json]
+``--device cuda[:N]`` puts both processes' KV caches on GPU N (two processes sharing it) and
+measures, instead of the host ceilings:
+
+- ``copy``: a same-bytes contiguous device copy (``b.copy_(a)``, timed with ``torch.cuda.synchronize``);
+- ``ucxx``: one contiguous ucxx tag send of the same bytes from a device buffer into a device
+  buffer of the other process + an 8-byte host ack (UCX picks cuda_ipc / cuda_copy as it likes;
+  the JSON records UCX_TLS and the contexts' transports; the received bytes are checked once).
+
+``--chunk-bytes`` sets ``XFER_UCX_CHUNK_BYTES`` (e.g. 64M) for both processes. A transfer is still
+cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, so 64M slots move 512 MiB as 16 x 32 MiB.
+
+    python bench/ucx_bench.py [--iters 7] [--netns] [--json out.json] [--device cuda:0] [--chunk-bytes 64M]
 
 ``--netns`` runs the two processes in two network namespaces joined by a veth pair (ci/netns.sh;
 root needed). The server side is this script with ``--serve``, driven over its stdin/stdout.
@@ -26,6 +37,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -48,6 +60,8 @@ CASES = {  # name: (layers, blocks moved, block_size, heads, head_dim) in bf16
 }
 KIND = "vllm_flash_attn_nhd"
 POISON = 0xA5
+HOST_CEILINGS = ("tcp", "ucxx", "ucxx-default")
+CUDA_CEILINGS = ("copy", "ucxx")
 
 
 def dims_of(case: str) -> dict:
@@ -62,9 +76,10 @@ def ids_of(case: str) -> tuple[list[int], list[int]]:
 
 # ---- the ucxx contiguous ceiling ---------------------------------------------------------------
 class UcxxPipe:
-    """A ucxx worker of its own, driven in blocking mode from the calling thread."""
+    """A ucxx worker of its own, driven in blocking mode from the calling thread (``spin``: polled
+    without sleeping, the device ceiling's best case whether or not UCX's CUDA transports wake it)."""
 
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, spin: bool = False):
         import select
 
         import ucxx._lib.libucxx as u
@@ -74,9 +89,13 @@ class UcxxPipe:
         self.ctx = u.UCXContext(options, feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
         self.w = u.UCXWorker(self.ctx)
         self.w.init_blocking_progress_mode()
-        self.ep, self._eps = None, []
+        self.ep, self._eps, self.spin = None, [], spin
         self._poll = select.epoll()
         self._poll.register(self.w.epoll_file_descriptor, select.EPOLLIN)
+
+    def info(self) -> dict:
+        """What UCX made of this context: its transports (UCX_TLS) and whether it moves CUDA memory."""
+        return {"tls": self.ctx.config.get("TLS", "?"), "cuda_support": bool(self.ctx.cuda_support)}
 
     def listen(self) -> int:
         self.listener = self.u.UCXListener.create(
@@ -92,7 +111,7 @@ class UcxxPipe:
                 pass
             if cond():
                 return
-            if self.w.arm():
+            if not self.spin and self.w.arm():
                 self._poll.poll(0.1)
 
     def accept(self) -> None:
@@ -113,13 +132,31 @@ def tuned_options() -> dict:
     return UcxSettings.from_env().context_options()
 
 
+def digest(buf) -> str:
+    """BLAKE2b of a buffer's bytes (a CUDA tensor is copied to the host first)."""
+    if isinstance(buf, torch.Tensor):
+        buf = buf.cpu().numpy()
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def set_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)  # UCX's CUDA transports and the default stream work on this one
+    return dev
+
+
 # ---- server side ---------------------------------------------------------------------------------
-def serve(bind: str) -> None:
+def serve(bind: str, device: str) -> None:
     """Commands as JSON lines on stdin, replies as JSON lines on stdout."""
     from xfer import Agent, AgentConfig, make_kv_cache
 
-    out = sys.stdout
-    sys.stdout = sys.stderr  # keep library prints off the reply channel
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # keep library prints (Python's and C's, e.g. UCX_PROTO_INFO) off the reply channel
+    sys.stdout = sys.stderr
+    dev = set_device(device)
+    cuda = dev.type == "cuda"
     state: dict = {}
 
     def reply(**kw):
@@ -134,19 +171,22 @@ def serve(bind: str) -> None:
                 state["agent"].close()
             state.clear()
             case = cmd["case"]
-            tensors, layout = make_kv_cache(KIND, **dims_of(case))
+            tensors, layout = make_kv_cache(KIND, device=dev, **dims_of(case))
             for t in tensors:
                 t.view(-1).view(torch.uint8).fill_(POISON)
+            if cuda:  # the initiator's chunks are scattered on another stream: the poison lands first
+                torch.cuda.synchronize(dev)
             agent = Agent("bench-dst", AgentConfig(transport="ucx", listen_host=bind, default_timeout_s=60))
             agent.register("kv", tensors, layout)
             nbytes = CASES[case][1] * layout.bytes_per_block
-            buf = np.empty(nbytes, np.uint8)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev) if cuda else np.empty(nbytes, np.uint8)
             tcp = socket.create_server((bind, 0))
-            pipes = {name: UcxxPipe(opts) for name, opts in (("ucxx", tuned_options()), ("ucxx-default", {}))}
+            wanted = (("ucxx", tuned_options()),) if cuda else (("ucxx", tuned_options()), ("ucxx-default", {}))
+            pipes = {name: UcxxPipe(opts, spin=cuda) for name, opts in wanted}
             ports = {name: p.listen() for name, p in pipes.items()}
             state.update(agent=agent, tensors=tensors, layout=layout, buf=buf, tcp=tcp, pipes=pipes)
             reply(metadata=base64.b64encode(agent.metadata()).decode(), tcp=tcp.getsockname()[1], ucxx=ports,
-                  nbytes=nbytes)
+                  nbytes=nbytes, ucx={name: p.info() for name, p in pipes.items()})
         elif op == "serve":  # run `iters` rounds of the named ceiling, then reply
             buf, ack, iters = state["buf"], np.zeros(1, np.uint64), cmd["iters"]
             if cmd["what"] == "tcp":
@@ -165,10 +205,14 @@ def serve(bind: str) -> None:
                 for _ in range(iters):
                     pipe.xfer(ack, buf, 2, 1)
             reply(ok=True)
+        elif op == "digest":  # of the last contiguous receive
+            reply(digest=digest(state["buf"]))
         elif op == "check":
             from bench.target import block_digests, untouched
 
             ids = cmd["ids"]
+            if cuda:
+                torch.cuda.synchronize(dev)
             notes = state["agent"].notifications()
             reply(digests=block_digests(state["layout"], state["tensors"], ids),
                   untouched=untouched(state["layout"], state["tensors"], ids), notes=len(notes))
@@ -180,8 +224,8 @@ def serve(bind: str) -> None:
 
 
 class Server:
-    def __init__(self, bind: str, netns: str | None):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--bind", bind]
+    def __init__(self, bind: str, netns: str | None, device: str = "cpu"):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--bind", bind, "--device", device]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -216,12 +260,15 @@ class Server:
 
 
 # ---- client side ---------------------------------------------------------------------------------
-def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int) -> dict:
+def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, device: str = "cpu") -> dict:
     from bench.target import block_digests
     from xfer import Agent, AgentConfig, make_kv_cache
+    from xfer.metadata import decode
 
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     prep = server.call(op="prepare", case=case)
-    tensors, layout = make_kv_cache(KIND, **dims_of(case))
+    tensors, layout = make_kv_cache(KIND, device=dev, **dims_of(case))
     gen = torch.Generator().manual_seed(1)
     for t in tensors:
         b = t.view(-1).view(torch.uint8)
@@ -229,6 +276,10 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int) -
     src, dst = ids_of(case)
     nbytes = prep["nbytes"]
     data, ack = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8), np.zeros(1, np.uint64)
+    if cuda:
+        data = torch.from_numpy(data).to(dev)
+        copy_dst = torch.empty_like(data)
+        torch.cuda.synchronize(dev)
     with Agent("bench-src", AgentConfig(transport="ucx", listen_host=bind, default_timeout_s=60)) as agent:
         agent.register("kv", tensors, layout)
         peer = agent.connect(base64.b64decode(prep["metadata"]))
@@ -239,28 +290,44 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int) -
         if not ok:
             raise RuntimeError(f"{case}: destination bytes differ from the source; not timing a wrong transfer")
         path = t.path
-        tcp = socket.create_connection((peer_host, prep["tcp"]))
-        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pipes = {}
-        for name in ("ucxx", "ucxx-default"):
-            pipes[name] = UcxxPipe(tuned_options() if name == "ucxx" else {})
+        for name in prep["ucxx"]:
+            pipes[name] = UcxxPipe(tuned_options() if name == "ucxx" else {}, spin=cuda)
             pipes[name].connect(peer_host, prep["ucxx"][name])
-        times = {k: [] for k in ("tcp", "ucxx", "ucxx-default", "xfer")}
+        if cuda:
+            ceilings = CUDA_CEILINGS
+            if not (pipes["ucxx"].info()["cuda_support"] and prep["ucx"]["ucxx"]["cuda_support"]):
+                raise RuntimeError("this UCX has no CUDA support: a device-to-device ucxx send cannot run "
+                                   "(install ucxx-cu12 / ucxx-cu13, or a system UCX built with CUDA)")
+        else:
+            ceilings = HOST_CEILINGS
+            tcp = socket.create_connection((peer_host, prep["tcp"]))
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = {k: [] for k in (*ceilings, "xfer")}
         post, post_cpu = [], []
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         for i in range(iters + 1):  # the first round is warm-up
-            th, _ = server.call_async(op="serve", what="tcp", iters=1)
-            t0 = time.perf_counter()
-            tcp.sendall(memoryview(data))
-            tcp.recv(1)
-            times["tcp"].append(time.perf_counter() - t0)
-            th.join()
+            if cuda:
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                copy_dst.copy_(data)
+                torch.cuda.synchronize(dev)
+                times["copy"].append(time.perf_counter() - t0)
+            else:
+                th, _ = server.call_async(op="serve", what="tcp", iters=1)
+                t0 = time.perf_counter()
+                tcp.sendall(memoryview(data))
+                tcp.recv(1)
+                times["tcp"].append(time.perf_counter() - t0)
+                th.join()
             for name, pipe in pipes.items():
                 th, _ = server.call_async(op="serve", what=name, iters=1)
                 t0 = time.perf_counter()
                 pipe.xfer(data, ack, 1, 2)
                 times[name].append(time.perf_counter() - t0)
                 th.join()
+                if cuda and i == 0 and server.call(op="digest")["digest"] != digest(data):
+                    raise RuntimeError(f"{case}: the contiguous ucxx send delivered other bytes; not timing it")
             c0, t0 = time.thread_time(), time.perf_counter()
             t = agent.write(peer, src, dst)
             t1, c1 = time.perf_counter(), time.thread_time()
@@ -276,18 +343,34 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int) -
             burst.append((time.thread_time() - c0, ts))
         for _, ts in burst:
             ts.wait()
-        tcp.close()
+        if not cuda:
+            tcp.close()
+        xfer_ucx = decode(agent.metadata()).transports.get("ucx", {})
+        peer_ucx = decode(base64.b64decode(prep["metadata"])).transports.get("ucx", {})
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    return {
+    out = {
         "case": case, "bytes": nbytes, "slices": CASES[case][0] * 2 * CASES[case][1], "path": path,
         "median_ms": {k: 1e3 * v for k, v in med.items()},
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
-        "xfer_vs_tcp": med["tcp"] / med["xfer"], "xfer_vs_ucxx": med["ucxx"] / med["xfer"],
-        "ucxx_default_vs_tcp": med["tcp"] / med["ucxx-default"],
+    }
+    if cuda:
+        out.update({
+            "xfer_vs_copy": med["copy"] / med["xfer"], "xfer_vs_ucxx": med["ucxx"] / med["xfer"],
+            "ucxx_vs_copy": med["copy"] / med["ucxx"],
+            "ucx": {"xfer": {"tls": xfer_ucx.get("tls"), "cuda_support": xfer_ucx.get("cuda"),
+                             "chunk_bytes": xfer_ucx.get("chunk_bytes"), "peer_chunk_bytes": peer_ucx.get("chunk_bytes")},
+                    "ucxx_client": pipes["ucxx"].info(), "ucxx_server": prep["ucx"]["ucxx"],
+                    "ucxx_progress": "spin"},
+        })
+    else:
+        out.update({"xfer_vs_tcp": med["tcp"] / med["xfer"], "xfer_vs_ucxx": med["ucxx"] / med["xfer"],
+                    "ucxx_default_vs_tcp": med["tcp"] / med["ucxx-default"]})
+    out.update({
         "post_us": 1e6 * statistics.median(post[1:]), "post_cpu_us": 1e6 * statistics.median(post_cpu[1:]),
         "post_burst_cpu_us": 1e6 * statistics.median(c for c, _ in burst[1:]),
         "iters": iters,
-    }
+    })
+    return out
 
 
 def main() -> None:
@@ -298,10 +381,24 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--netns", action="store_true", help="across a veth pair between two network namespaces")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", default="cpu", help="where both processes' KV caches live: cpu (host memory, "
+                    "the default) or cuda[:N] (GPU N, shared by the two processes)")
+    ap.add_argument("--chunk-bytes", help="XFER_UCX_CHUNK_BYTES of both processes, e.g. 16M or 64M")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.chunk_bytes:
+        from xfer.transports.ucx_wire import UcxSettings
+
+        os.environ["XFER_UCX_CHUNK_BYTES"] = args.chunk_bytes  # the server inherits it
+        try:
+            UcxSettings.from_env()
+        except Exception as exc:
+            ap.error(f"--chunk-bytes {args.chunk_bytes}: {exc}")
     if args.serve:
-        return serve(args.bind)
+        return serve(args.bind, args.device)
+    device = str(set_device(args.device))
     ns = None
     if args.netns:
         ns = json.loads(subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "up"], check=True,
@@ -313,45 +410,76 @@ def main() -> None:
         if ns:  # the client side runs in namespace A: re-exec this script there
             env = dict(os.environ, UCX_NET_DEVICES=ns["dev_a"], XFER_UCX_BENCH_NS=json.dumps(ns))
             cmd = ["ip", "netns", "exec", ns["ns_a"], sys.executable, __file__, "--iters", str(args.iters),
-                   "--cases", args.cases] + (["--json", args.json] if args.json else [])
+                   "--cases", args.cases, "--device", args.device] + (["--json", args.json] if args.json else [])
             subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
             return
         inner = json.loads(os.environ.get("XFER_UCX_BENCH_NS", "null"))
         bind, peer = (inner["addr_a"], inner["addr_b"]) if inner else ("127.0.0.1", "127.0.0.1")
         if inner:
             os.environ["UCX_NET_DEVICES"] = inner["dev_b"]
-        server = Server(peer, inner["ns_b"] if inner else None)
+        server = Server(peer, inner["ns_b"] if inner else None, device)
         if inner:
             os.environ["UCX_NET_DEVICES"] = inner["dev_a"]
         try:
-            results = [run_case(c, server, peer, bind, args.iters) for c in args.cases.split(",")]
+            results = [run_case(c, server, peer, bind, args.iters, device) for c in args.cases.split(",")]
         finally:
             server.close()
-        report(results, "veth" if inner else "loopback", args.json)
+        report(results, "veth" if inner else "loopback", args.json, device)
     finally:
         if ns:
             subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "down", ns["id"]], check=False)
 
 
-def report(results: list[dict], link: str, path: str | None) -> None:
+def describe_device(device: str) -> dict:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {"device": "cpu"}
+    p = torch.cuda.get_device_properties(dev)
+    return {"device": str(dev), "device_name": p.name, "capability": f"{p.major}.{p.minor}",
+            "memory_gib": round(p.total_memory / 2**30, 1), "torch_cuda": torch.version.cuda,
+            "processes": "2 on the same GPU"}
+
+
+def report(results: list[dict], link: str, path: str | None, device: str = "cpu") -> None:
     import ucxx
 
+    from xfer.transports.ucx_wire import UcxSettings
+
+    cuda = device.startswith("cuda")
     print(f"\nxfer UCX transport, {link}, {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"ucxx {ucxx.__version__}, UCX {'.'.join(map(str, ucxx.get_ucx_version()))}")
-    print(f"{'case':<14} {'MiB':>5} {'tcp GB/s':>9} {'ucxx':>6} {'ucxx-dflt':>9} {'xfer':>6} "
-          f"{'xfer/tcp':>8} {'xfer/ucxx':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
-    for r in results:
-        g = r["gb_per_s"]
-        print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['tcp']:9.2f} {g['ucxx']:6.2f} {g['ucxx-default']:9.2f} "
-              f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
+    if cuda:
+        d, u = describe_device(device), results[0]["ucx"]
+        print(f"device {d['device']} ({d['device_name']}, CUDA {d['torch_cuda']}), both processes; "
+              f"UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; chunk {UcxSettings.from_env().chunk_bytes / 2**20:g} MiB")
+        print(f"UCX transports: ucxx {u['ucxx_client']['tls']} (cuda {u['ucxx_client']['cuda_support']}), "
+              f"xfer {u['xfer']['tls']} (cuda {u['xfer']['cuda_support']})")
+        print(f"{'case':<14} {'MiB':>5} {'copy GB/s':>10} {'ucxx':>7} {'xfer':>7} {'xfer/copy':>9} {'xfer/ucxx':>9} "
+              f"{'ucxx/copy':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
+        for r in results:
+            g = r["gb_per_s"]
+            print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['copy']:10.1f} {g['ucxx']:7.1f} {g['xfer']:7.2f} "
+                  f"{r['xfer_vs_copy']:9.3f} {r['xfer_vs_ucxx']:9.3f} {r['ucxx_vs_copy']:9.3f} {r['post_us']:8.0f} "
+                  f"{r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
+    else:
+        print(f"{'case':<14} {'MiB':>5} {'tcp GB/s':>9} {'ucxx':>6} {'ucxx-dflt':>9} {'xfer':>6} "
+              f"{'xfer/tcp':>8} {'xfer/ucxx':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
+        for r in results:
+            g = r["gb_per_s"]
+            print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['tcp']:9.2f} {g['ucxx']:6.2f} {g['ucxx-default']:9.2f} "
+                  f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
     print(f"path: {results[0]['path']}")
     if path:
-        Path(path).write_text(json.dumps({"date": dt.datetime.now().isoformat(timespec="seconds"), "link": link,
-                                          "machine": platform.node(), "cores": os.cpu_count(),
-                                          "load_avg": os.getloadavg(), "python": platform.python_version(),
-                                          "torch": torch.__version__, "ucxx": ucxx.__version__,
-                                          "ucx": ".".join(map(str, ucxx.get_ucx_version())),
-                                          "results": results}, indent=1))
+        doc = {"date": dt.datetime.now().isoformat(timespec="seconds"), "link": link,
+               "machine": platform.node(), "cores": os.cpu_count(),
+               "load_avg": os.getloadavg(), "python": platform.python_version(),
+               "torch": torch.__version__, "ucxx": ucxx.__version__,
+               "ucx": ".".join(map(str, ucxx.get_ucx_version())), **describe_device(device),
+               "chunk_bytes": UcxSettings.from_env().chunk_bytes}
+        if cuda:
+            doc["ceilings"] = list(CUDA_CEILINGS)
+            doc["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "XFER_UCX_"))}
+        Path(path).write_text(json.dumps({**doc, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
