@@ -211,11 +211,13 @@ class FakeFabric:
     def __init__(self):
         self.session = "fake-session"
         self.pes: dict[int, FakeRuntime] = {}
+        self._lock = threading.Lock()  # agents of one PE may start on several threads at once
 
     def acquire(self, group, host_id):
-        if group.rank not in self.pes:
-            self.pes[group.rank] = FakeRuntime(self, group, host_id)
-        return self.pes[group.rank]
+        with self._lock:
+            if group.rank not in self.pes:
+                self.pes[group.rank] = FakeRuntime(self, group, host_id)
+            return self.pes[group.rank]
 
     def release(self, rt):
         rt.close()
