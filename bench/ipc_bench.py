@@ -31,15 +31,18 @@ import numpy as np
 import torch
 
 
-def median_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
+def median_ms(fn, iters: int, warmup: int = 3, sync=None) -> tuple[float, float]:
+    """(median, p99) milliseconds of ``fn``, synchronised around each call (``sync``: default
+    ``torch.cuda.synchronize``; a no-op for CPU dry runs)."""
+    sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times), float(np.percentile(times, 99))
 

@@ -1,14 +1,21 @@
-"""NVSHMEM transport benchmark: two PEs (processes), on one GPU by default, the seed case.
+"""NVSHMEM transport benchmark: two PEs (processes) on one GPU by default, or one PE; the seed case.
 
     python -m xfer.bench.nvshmem_bench --out bench/results/nvshmem_h200.json [--peer-device 0]
+    python -m xfer.bench.nvshmem_bench --pes 1 [--chunk-mib 4] [--paths staged]
 
-This process is PE 0 (prefill); a spawned process is PE 1 (decode); the group's unique id goes
-through a TCPStore hosted here. Moves 64 layers x K/V x 128 of 256 blocks x 32 KiB (512 MiB)
-through the xfer API, end to end (call -> bytes in the decode cache -> notification delivered ->
-acknowledged), on both paths: *staged* (gather -> symmetric staging -> put-with-signal -> scatter;
-plain torch KV caches) and *direct* (KV caches on the symmetric heap; one copy_blocks into the
-peer). Every path is verified byte-exact (digests of the destination blocks, the rest still
-poisoned) before it is timed, beside the same-bytes contiguous device copy timed in the same run.
+``--pes 2`` (default): this process is PE 0 (prefill); a spawned process is PE 1 (decode); the
+group's unique id goes through a TCPStore hosted here. ``--pes 1``: both agents live in this
+process and share PE 0 (the decode agent's command loop runs on a thread), so every put is a put
+of the PE to itself (``SelfSignals``), as in the GPU test ``test_gpu_one_pe_puts_to_itself``.
+
+Moves 64 layers x K/V x 128 of 256 blocks x 32 KiB (512 MiB) through the xfer API, end to end (call
+-> bytes in the decode cache -> notification delivered -> acknowledged), on both paths: *staged*
+(gather -> symmetric staging -> put-with-signal -> scatter; plain torch KV caches) and *direct* (KV
+caches on the symmetric heap; one copy_blocks into the peer). Every path is verified byte-exact
+(digests of the destination blocks, the rest still poisoned) before it is timed, beside the
+same-bytes contiguous device copy timed in the same run. A verifying write still in flight after
+``--snapshot-s`` prints both PEs' signal words and lanes; a failed one prints them again (the
+decode side's through its command loop, bounded: a stuck decode PE never hangs the bench).
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import multiprocessing as mp
 import os
+import threading
 import traceback
 
 import numpy as np
@@ -29,13 +36,25 @@ from xfer.bench.ipc_bench import median_ms
 KIND = "vllm_flash_attn_nhd"
 DIMS = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # bf16: 32 KiB slices
 POISON = 0xA5
+DESCRIBE_S = 5.0  # bound of each host call of a diagnostic report (a stuck GPU must not hang it)
 
 
-def _caches(tr, memory: str, device, seed):
+def _say(msg: str) -> None:
+    print(f"nvshmem bench: {msg}", flush=True)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _caches(tr, memory: str, dims: dict, seed):
+    """A KV cache on ``tr``'s PE device: random (``seed``) or poisoned; symmetric memory is collective."""
     from xfer import make_kv_cache
 
+    device = tr.rt.device
     empty = tr.symmetric_empty if memory == "symmetric" else torch.empty
-    tensors, layout = make_kv_cache(KIND, device=device, empty=empty, **DIMS)
+    tensors, layout = make_kv_cache(KIND, device=device, empty=empty, **dims)
     gen = torch.Generator(device=device).manual_seed(seed or 0)
     for t in tensors:
         b = t.view(-1).view(torch.uint8)
@@ -43,79 +62,136 @@ def _caches(tr, memory: str, device, seed):
             b.fill_(POISON)
         else:
             b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=device, generator=gen))
-    torch.cuda.synchronize()
+    _sync(device)
     return tensors, layout
 
 
-def _decode_main(conn, group_kw) -> None:
-    """PE 1: owns the destination caches; answers digests of blocks."""
+def describe_pe(tr, limit: float | None = None) -> dict:
+    """This PE's signal words, lanes, stats and transport threads; every host call bounded by
+    ``limit`` (default DESCRIBE_S)."""
+    from xfer.bench.nvshmem_probe import _host, thread_stacks
+
+    limit = limit or DESCRIBE_S
+    words, err, _ = _host(tr.rt.describe, limit)
+    lanes, lerr, _ = _host(lambda: repr(getattr(tr.rt, "lanes", None)), limit)
+    return {"words": err or words, "lanes": lerr or lanes, "stats": dict(tr.stats),
+            "threads": thread_stacks("xfer-nvshmem")}
+
+
+def _agent(name: str, group_kw: dict, config_kw: dict):
     from xfer import Agent, AgentConfig, TransportKind
-    from xfer.bench.target import block_digests, untouched
     from xfer.config import NvshmemGroup
 
-    agent, caches = None, {}
+    agent = Agent(name, AgentConfig(transport="nvshmem", nvshmem=NvshmemGroup(**group_kw), **config_kw))
+    if TransportKind.NVSHMEM not in agent.transports:
+        reason = agent.unavailable.get(TransportKind.NVSHMEM)
+        agent.close()
+        raise RuntimeError(f"nvshmem unavailable: {reason}")
+    return agent, agent.transports[TransportKind.NVSHMEM]
+
+
+def _decode_main(conn, group_kw, config_kw, dims) -> None:
+    """The decode agent: owns the destination caches; answers digests of blocks. Its own process
+    (PE 1) or, with one PE, a thread of the prefill process sharing PE 0. Replies are (cmd, status,
+    value); the transport runs on threads of its own, so ``describe`` is answered while a transfer
+    into this PE is stuck."""
+    from xfer.bench.target import block_digests, untouched
+
+    agent, tr, caches = None, None, {}
     while True:
-        cmd, arg = conn.recv()
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            break
         try:
             if cmd == "init":
-                agent = Agent("nvshmem-bench-decode", AgentConfig(transport="nvshmem", nvshmem=NvshmemGroup(**group_kw)))
-                if TransportKind.NVSHMEM not in agent.transports:
-                    raise RuntimeError(agent.unavailable.get(TransportKind.NVSHMEM))
-                out = agent.transports[TransportKind.NVSHMEM].info()
+                agent, tr = _agent("nvshmem-bench-decode", group_kw, config_kw)
+                out = tr.info()
             elif cmd == "region":  # (name, memory): collective when memory == "symmetric"
-                tr = agent.transports[TransportKind.NVSHMEM]
-                caches[arg[0]] = _caches(tr, arg[1], tr.rt.device, None)
+                caches[arg[0]] = _caches(tr, arg[1], dims, None)
                 agent.register(arg[0], *caches[arg[0]])
                 out = agent.metadata()
             elif cmd == "check":  # (region, ids)
                 tensors, layout = caches[arg[0]]
-                torch.cuda.synchronize()
+                _sync(tr.rt.device)
                 out = (block_digests(layout, tensors, arg[1]), untouched(layout, tensors, arg[1]))
             elif cmd == "drain":
                 out = len(agent.notifications())
+            elif cmd == "describe":
+                out = describe_pe(tr, arg) if tr is not None else {"words": "not initialised"}
             elif cmd == "stop":
-                agent.close()
-                out = agent.transports[TransportKind.NVSHMEM].rt.teardown
+                if agent is not None:
+                    agent.close()
+                out = tr.rt.teardown if tr is not None else "never initialised"
             else:
                 raise ValueError(cmd)
-            conn.send(("ok", out))
+            conn.send((cmd, "ok", out))
         except BaseException as exc:  # noqa: BLE001 - printed by the parent
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send((cmd, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         if cmd == "stop":
-            return
+            break
 
 
 class _Decode:
-    def __init__(self, group_kw):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_main, args=(child, group_kw), daemon=True)
+    """The decode agent's command loop: in a spawned process (its own PE) or on a thread here (one
+    PE shared by both agents, like the tests' ``PeThread``)."""
+
+    def __init__(self, group_kw, config_kw, dims, in_process: bool = False):
+        self.stopped = False
+        if in_process:
+            self.conn, child = mp.Pipe()
+            self.proc = threading.Thread(target=_decode_main, args=(child, group_kw, config_kw, dims),
+                                         name="nvshmem-bench-decode", daemon=True)
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_decode_main, args=(child, group_kw, config_kw, dims), daemon=True)
         self.proc.start()
 
+    def _state(self) -> str:
+        alive = self.proc.is_alive()
+        return f"alive: {alive}" + ("" if alive else f", exit code {getattr(self.proc, 'exitcode', None)}")
+
     def send(self, cmd, arg=None):
+        self.stopped = self.stopped or cmd == "stop"
         self.conn.send((cmd, arg))
 
     def reply(self, what, timeout=600.0):
-        if not self.conn.poll(timeout):
-            raise SystemExit(f"nvshmem bench: the decode PE did not answer {what!r} within {timeout:.0f} s "
-                             f"(alive: {self.proc.is_alive()}, exit code {self.proc.exitcode})")
-        status, out = self.conn.recv()
+        """The reply to ``what``; replies to earlier commands that came late are dropped."""
+        while True:
+            if not self.conn.poll(timeout):
+                raise SystemExit(f"nvshmem bench: the decode agent did not answer {what!r} within {timeout:.0f} s "
+                                 f"({self._state()})")
+            try:
+                cmd, status, out = self.conn.recv()
+            except EOFError:
+                raise SystemExit(f"nvshmem bench: the decode agent died during {what!r} ({self._state()})") from None
+            if cmd == what:
+                break
         if status != "ok":
-            raise SystemExit(f"nvshmem bench: the decode PE failed {what!r}:\n{out}")
+            raise SystemExit(f"nvshmem bench: the decode agent failed {what!r}:\n{out}")
         return out
 
     def call(self, cmd, arg=None, timeout=600.0):
         self.send(cmd, arg)
         return self.reply(cmd, timeout)
 
+    def describe(self, timeout: float | None = None) -> dict:
+        """The decode PE's words, lanes, stats and threads; never raises, never waits past ``timeout``
+        (default: a little more than the decode side's own bounds)."""
+        try:
+            return self.call("describe", DESCRIBE_S, timeout=timeout or 2 * DESCRIBE_S + 5)
+        except (SystemExit, OSError) as exc:
+            return {"words": f"no answer: {exc}"}
+
     def close(self):
-        if self.proc.is_alive():
+        if self.proc.is_alive() and not self.stopped:
             try:
                 self.call("stop", timeout=60)
-            except SystemExit:
+            except (SystemExit, OSError):
                 pass
         self.proc.join(10)
-        if self.proc.is_alive():
+        if self.proc.is_alive() and hasattr(self.proc, "kill"):
             self.proc.kill()
 
 
@@ -132,36 +208,79 @@ def _versions() -> dict:
     return v
 
 
-def _run_paths(agent, tr, decode, dev, src, dst, iters, rows, paths):
+def _report(tr, decode) -> str:
+    """Both sides' state, each bounded (the decode side through its command loop)."""
+    mine, theirs = describe_pe(tr), decode.describe()
+    lines = []
+    for who, d in (("prefill (sender)", mine), ("decode (receiver)", theirs)):
+        lines.append(f"  {who}: {d.get('words')}\n  {who} lanes: {d.get('lanes')}\n  {who} stats: {d.get('stats')}")
+        if d.get("threads"):
+            lines.append(f"  {who} lane threads:\n{d['threads']}")
+    return "\n".join(lines)
+
+
+def _verify_wait(t, tr, decode, path: str, snapshot_s: float) -> None:
+    """Wait for the verifying write; past ``snapshot_s`` print both sides' state while it is in flight."""
+    try:
+        t.wait(timeout=snapshot_s)
+        return
+    except Exception:  # noqa: BLE001 - the caller's wait timed out, or the transfer ended failed
+        if t.done():
+            raise
+    _say(f"{path} path: the verifying write is still {t.poll().name} after {snapshot_s:g} s; state now:\n"
+         f"{_report(tr, decode)}")
+    t.wait()
+
+
+def _run_paths(agent, tr, decode, src, dst, args, dims, rows, paths):
     """Verify, then time, each path; appends to ``rows`` and ``paths``; returns (payload bytes, layout)."""
     from xfer.bench.target import block_digests
+    from xfer.transports import nvshmem_proto as proto
 
+    dev, sync = tr.rt.device, (lambda: _sync(tr.rt.device))
+    one_pe = tr.rt.size == 1
+    nbytes = layout = None
     for path, memory in (("staged", "torch"), ("direct", "symmetric")):
+        if path not in args.paths:
+            paths[path] = {"skipped": "not in --paths"}
+            continue
         region = f"kv_{path}"
         decode.send("region", (region, memory))  # collective for symmetric memory: both PEs allocate together
-        tensors, layout = _caches(tr, memory, dev, seed=1)
+        tensors, layout = _caches(tr, memory, dims, seed=1)
         agent.register(region, tensors, layout)
         peer = agent.connect(decode.reply("region"))
+        plan = proto.plan_chunks(len(src), layout.bytes_per_block, tr.rt.plan.chunk_cap, agent.config.chunk_bytes)
+        per = min(plan.per, len(src))
         before = dict(tr.stats)
-        print(f"nvshmem bench: {path} path ({memory} KV caches): verifying one write", flush=True)
-        t = agent.write(peer, src, dst, region=region, peer_region=region, timeout=30)
+        chunking = (f" ({plan.chunks} chunk(s) of {per} blocks, {per * layout.bytes_per_block / 2**20:g} MiB; "
+                    f"chunk cap {tr.rt.plan.chunk_cap / 2**20:g} MiB)" if path == "staged" else "")
+        _say(f"{path} path ({memory} KV caches, {'one PE: put to itself' if one_pe else 'PE 0 -> PE 1'}): "
+             f"verifying one write of {len(src)} blocks{chunking}")
+        t = agent.write(peer, src, dst, region=region, peer_region=region, timeout=args.verify_s)
         try:
-            t.wait()
-        except Exception as exc:  # noqa: BLE001 - the state of the PE says why
+            _verify_wait(t, tr, decode, path, args.snapshot_s)
+        except Exception as exc:  # noqa: BLE001 - the state of both PEs says why
             raise SystemExit(f"nvshmem bench: {path} path: the verifying write failed: {exc!r}\n"
-                             f"{tr.rt.describe()}\n{tr.rt.lanes!r}") from None
+                             f"{_report(tr, decode)}") from None
         taken = {k: v - before.get(k, 0) for k, v in tr.stats.items() if v != before.get(k, 0)}
         digests, clean = decode.call("check", (region, dst.tolist()))
         if not clean or digests != block_digests(layout, tensors, src):
             raise SystemExit(f"nvshmem bench: {path} path: destination bytes differ from the source "
                              f"(untouched blocks clean: {clean}); refusing to time")
-        paths[path] = {"verified": True, "counted_as": taken}
-        print(f"nvshmem bench: {path} path verified byte-exact ({t.elapsed * 1e3:.1f} ms); timing", flush=True)
+        if not taken.get(f"{path}_write"):
+            why = f"the transport did not take the {path} path here (counted as {taken})"
+            _say(f"{path} path: verified, but skipped: {why}")
+            paths[path] = {"verified": True, "skipped": why, "counted_as": taken}
+            decode.call("drain")
+            continue
+        paths[path] = {"verified": True, "counted_as": taken, "verify_ms": 1e3 * t.elapsed,
+                       **({"chunks": plan.chunks, "blocks_per_chunk": per} if path == "staged" else {})}
+        _say(f"{path} path verified byte-exact ({t.elapsed * 1e3:.1f} ms); timing")
         nbytes = len(src) * layout.bytes_per_block
         if not rows:
             a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            ceil_ms, _ = median_ms(lambda a=a, b=b: b.copy_(a), iters)
+            ceil_ms, _ = median_ms(lambda a=a, b=b: b.copy_(a), args.iters, sync=sync)
             rows.append({"name": "contiguous device copy (ceiling)", "ms": ceil_ms, "p99_ms": ceil_ms})
             del a, b
 
@@ -177,52 +296,85 @@ def _run_paths(agent, tr, decode, dev, src, dst, iters, rows, paths):
         for name, fn, div in ((f"{path}: write, one request end to end", one, 1),
                               (f"{path}: write, 8 back to back (per request)", burst, 8),
                               (f"{path}: read (pull), one request", lambda: one("read"), 1)):
-            ms, p99 = median_ms(fn, max(3, iters // div))
+            ms, p99 = median_ms(fn, max(3, args.iters // div), sync=sync)
             rows.append({"name": name, "ms": ms / div, "p99_ms": p99 / div})
+            _say(f"{name}: {ms / div:.3f} ms")
         decode.call("drain")
         lat, lat99 = median_ms(lambda region=region, peer=peer: agent.write(
-            peer, [5], [7], region=region, peer_region=region, timeout=60).wait(), iters)
+            peer, [5], [7], region=region, peer_region=region, timeout=60).wait(), args.iters, sync=sync)
         paths[path]["one_block_request_ms"] = {"p50": lat, "p99": lat99}
+        _say(f"{path}: 1-block request p50 {lat:.3f} ms")
         decode.call("drain")
     return nbytes, layout
 
 
-def main(argv=None) -> dict:
-    from xfer import Agent, AgentConfig, TransportKind
-    from xfer.config import NvshmemGroup
+def _heap_bytes(pes: int, staging: int, dims: dict) -> int:
+    """Per PE: the send and receive staging areas (``pes * staging`` each), the symmetric KV caches
+    this PE holds (one; both agents' with one PE) and a margin."""
+    from xfer import make_kv_cache
+
+    layout = make_kv_cache(KIND, device="meta", **dims)[1]
+    kv = layout.bytes_per_block * layout.num_blocks
+    return 2 * pes * staging + (2 if pes == 1 else 1) * kv + (512 << 20)
+
+
+def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) -> dict:
+    """``dims``: the KV cache shape (default DIMS). ``decode_thread``: run the decode agent's command
+    loop on a thread of this process even with 2 PEs (CPU dry runs on one fake fabric only: a real
+    process holds one PE). The CPU tests pass both."""
+    from xfer.bench.target import describe_device
     from xfer.store import open_store
 
     p = argparse.ArgumentParser(prog="xfer-nvshmem-bench")
     p.add_argument("--out", default=None, help="write the results as JSON here (e.g. bench/results/...json)")
+    p.add_argument("--pes", type=int, choices=(1, 2), default=2,
+                   help="2: decode is PE 1 in a spawned process; 1: both agents in this process share PE 0")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--device", type=int, default=0)
-    p.add_argument("--peer-device", type=int, default=0)
+    p.add_argument("--peer-device", type=int, default=0, help="PE 1's CUDA device (--pes 2)")
     p.add_argument("--staging-mib", type=int, default=256, help="NvshmemGroup.staging_bytes per peer, MiB")
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="AgentConfig.chunk_bytes, MiB: the staged path's chunk is min(this, staging/8), whole "
+                        "blocks, at least one (default: the AgentConfig default, 64 MiB)")
+    p.add_argument("--paths", default="staged,direct", help="comma-separated: staged, direct")
+    p.add_argument("--verify-s", type=float, default=30.0, help="deadline of each verifying write")
+    p.add_argument("--snapshot-s", type=float, default=10.0,
+                   help="print both PEs' words and lanes if a verifying write is still in flight after this")
     args = p.parse_args(argv)
-    torch.cuda.set_device(args.device)
-    dev = torch.device("cuda", args.device)
+    args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not set(args.paths) <= {"staged", "direct"}:
+        p.error(f"--paths takes staged and/or direct, got {args.paths}")
+    dims = dict(dims or DIMS)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(args.device)
     staging = args.staging_mib << 20
-    # the heap holds the send and receive staging areas (2 PEs each) and one symmetric KV cache
-    kv_bytes = 2 * math.prod(DIMS.values())
-    heap = os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(4 * staging + kv_bytes + (512 << 20)))
-    src = np.arange(0, 256, 2)
-    dst = np.arange(128, 256)[::-1].copy()
-    rows, paths, teardown = [], {}, {}
+    config_kw = {} if args.chunk_mib is None else {"chunk_bytes": max(1, int(args.chunk_mib * (1 << 20)))}
+    heap = os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(_heap_bytes(args.pes, staging, dims)))
+    nb = dims["num_blocks"]
+    src = np.arange(0, nb, 2)
+    dst = np.arange(nb // 2, nb)[::-1].copy()
+    rows, paths, teardown, info = [], {}, {}, {}
+    nbytes = layout = None
     with open_store("tcp://127.0.0.1:0") as store:
-        kw = dict(store=store.endpoint, name=f"bench-{os.getpid()}", size=2, staging_bytes=staging,
+        kw = dict(store=store.endpoint, name=f"bench-{os.getpid()}", size=args.pes, staging_bytes=staging,
                   init_timeout_s=180.0)
-        decode = _Decode(dict(kw, rank=1, device=args.peer_device))
+        one_pe = args.pes == 1
+        decode = _Decode(dict(kw, rank=args.pes - 1, device=args.device if one_pe else args.peer_device),
+                         config_kw, dims, in_process=one_pe or decode_thread)
         try:
-            decode.send("init")  # init is collective: both PEs join together
-            agent = Agent("nvshmem-bench-prefill", AgentConfig(transport="nvshmem",
-                                                               nvshmem=NvshmemGroup(**kw, rank=0, device=args.device)))
-            if TransportKind.NVSHMEM not in agent.transports:
-                raise SystemExit(f"nvshmem bench: {agent.unavailable.get(TransportKind.NVSHMEM)}")
-            tr = agent.transports[TransportKind.NVSHMEM]
-            info = {"prefill": tr.info(), "decode": decode.reply("init")}
-            print(f"nvshmem bench: 2 PEs up, status {info['prefill'].get('status')}", flush=True)
+            decode.send("init")  # init is collective: both PEs join together (with one PE: shared)
             try:
-                nbytes, layout = _run_paths(agent, tr, decode, dev, src, dst, args.iters, rows, paths)
+                agent, tr = _agent("nvshmem-bench-prefill", dict(kw, rank=0, device=args.device), config_kw)
+            except RuntimeError as exc:
+                raise SystemExit(f"nvshmem bench: {exc}") from None
+            info = {"prefill": tr.info(), "decode": decode.reply("init")}
+            _say(f"{args.pes} PE{'s' if args.pes > 1 else ''} up "
+                 f"({'both agents share PE 0: puts to itself' if one_pe else 'decode is PE 1'}), "
+                 f"status {info['prefill'].get('status')}, chunk cap {tr.rt.plan.chunk_cap / 2**20:g} MiB, "
+                 f"chunk_bytes {agent.config.chunk_bytes / 2**20:g} MiB, NVSHMEM_SYMMETRIC_SIZE {heap}")
+            try:
+                nbytes, layout = _run_paths(agent, tr, decode, src, dst, args, dims, rows, paths)
                 info["stats"] = dict(tr.stats)
             finally:
                 decode.send("stop")  # both PEs close together: the teardown is collective
@@ -234,28 +386,39 @@ def main(argv=None) -> dict:
                 teardown["prefill"] = tr.rt.teardown
         finally:
             decode.close()
+    if not rows:
+        raise SystemExit(f"nvshmem bench: no path was timed: {paths}")
     ceil_ms = rows[0]["ms"]
     for r in rows:
         r["gb_per_s"] = nbytes / (r["ms"] * 1e-3) / 1e9
         r["ratio_to_ceiling"] = ceil_ms / r["ms"]
+    dev = torch.device(info["prefill"]["device"])
+    status = info["prefill"].get("status")
     res = {
         "bench": "nvshmem", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(args.device), "peer_device": args.peer_device,
+        "device": describe_device(dev)["device_name"], "peer_device": None if one_pe else args.peer_device,
+        "mode": {"pes": args.pes, "status": status,
+                 "agents": "both on PE 0 (self put)" if one_pe else "prefill PE 0, decode PE 1 (own process)"},
         "versions": _versions(), "nvshmem_symmetric_size": heap, "staging_bytes": staging,
-        "workload": {**DIMS, "layout": KIND, "blocks_moved": len(src), "slice_bytes": layout.block_nbytes,
+        "chunk_bytes": agent.config.chunk_bytes, "chunk_cap": tr.rt.plan.chunk_cap,
+        "workload": {**dims, "layout": KIND, "blocks_moved": len(src), "slice_bytes": layout.block_nbytes,
                      "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
         "pes": info, "paths": paths, "rows": rows, "teardown": teardown,
     }
-    print(f"nvshmem bench on {res['device']} (PE 1 on cuda:{args.peer_device}, NVSHMEM status "
-          f"{info['prefill']['status']}): {res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB")
+    where = "both agents on PE 0" if one_pe else f"PE 1 on cuda:{args.peer_device}"
+    print(f"nvshmem bench on {res['device']} ({args.pes} PE: {where}, NVSHMEM status {status}): "
+          f"{res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB", flush=True)
     print(f"{'what':<46}{'ms':>9}{'p99 ms':>9}{'GB/s':>9}{'x ceiling':>11}")
     for r in rows:
         print(f"{r['name']:<46}{r['ms']:>9.3f}{r['p99_ms']:>9.3f}{r['gb_per_s']:>9.0f}{r['ratio_to_ceiling']:>11.3f}")
     for path, d in paths.items():
+        if "skipped" in d:
+            print(f"{path}: skipped: {d['skipped']}")
+            continue
         lat = d["one_block_request_ms"]
         print(f"{path}: verified, counted as {d['counted_as']}; 1-block request ({layout.num_slots} slices): "
               f"p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms")
-    print(f"teardown: {teardown}")
+    print(f"teardown: {teardown}", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -43,6 +43,17 @@ def _host(fn, limit: float):
     return box.get("r"), box.get("e"), time.monotonic() - start
 
 
+def thread_stacks(match: str = "xfer") -> str:
+    """The last frames of this process's threads whose name contains ``match`` (where a stuck
+    transfer's lane and control threads are)."""
+    import sys
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- {names.get(i, i)}\n" + "".join(traceback.format_stack(f)[-6:])
+                     for i, f in sys._current_frames().items() if match in names.get(i, ""))
+
+
 def _step(rt, name: str, queue, limit: float) -> str:
     """Queue ``queue(stream)`` on a fresh stream; wait (polling) for the stream to pass it."""
     stream = rt.new_stream()

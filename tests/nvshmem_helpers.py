@@ -211,11 +211,13 @@ class FakeFabric:
     def __init__(self):
         self.session = "fake-session"
         self.pes: dict[int, FakeRuntime] = {}
+        self._lock = threading.Lock()  # agents of one PE may start on several threads at once
 
     def acquire(self, group, host_id):
-        if group.rank not in self.pes:
-            self.pes[group.rank] = FakeRuntime(self, group, host_id)
-        return self.pes[group.rank]
+        with self._lock:
+            if group.rank not in self.pes:
+                self.pes[group.rank] = FakeRuntime(self, group, host_id)
+            return self.pes[group.rank]
 
     def release(self, rt):
         rt.close()
@@ -277,14 +279,6 @@ def _pe_main(conn, group_kw, config_kw):
 
     agents, caches = {}, {}  # name -> Agent; (agent, region) -> (tensors, layout)
 
-    def _thread_stacks() -> str:  # where this PE's threads are when a transfer failed
-        import sys
-        import threading
-        import traceback
-        names = {t.ident: t.name for t in threading.enumerate()}
-        return "\n".join(f"--- {names.get(i, i)}\n" + "".join(traceback.format_stack(f)[-6:])
-                         for i, f in sys._current_frames().items() if "xfer" in names.get(i, ""))
-
     def handle(cmd, a):
         if cmd == "diagnostics":
             return diagnostics()
@@ -319,11 +313,11 @@ def _pe_main(conn, group_kw, config_kw):
                 t.wait()
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed}
             except Exception as exc:  # noqa: BLE001 - reported as data
-                from xfer.bench.nvshmem_probe import _host  # a report must not hang behind a stuck GPU copy
+                from xfer.bench.nvshmem_probe import _host, thread_stacks  # a report must not hang
 
                 words, err, _ = _host(tr.rt.describe, 5.0)
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed, "error": type(exc).__name__,
-                        "message": str(exc), "words": err or words, "threads": _thread_stacks(),
+                        "message": str(exc), "words": err or words, "threads": thread_stacks(),
                         "lanes": repr(getattr(tr.rt, "lanes", None))}
         if cmd == "bytes":
             _sync()

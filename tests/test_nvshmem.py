@@ -765,3 +765,69 @@ def test_self_signals_order_a_self_put_by_events():
         sig.post(key, v, f"e{v}")
     assert sig.wait(key, 11) is None  # dropped long ago: completed
     assert sig.wait(key, 11 + nvshmem_runtime.SelfSignals.KEEP + 4) == f"e{11 + nvshmem_runtime.SelfSignals.KEEP + 4}"
+
+
+@pytest.mark.parametrize("chunk_mib", [None, 0.002])
+def test_bench_one_pe_dry_run_on_the_fake(chunk_mib, monkeypatch, tmp_path, capsys):
+    """xfer.bench.nvshmem_bench --pes 1 on the CPU stand-in, with a small cache: both agents share the
+    one PE, both paths are verified byte-exact and timed, the JSON records the mode."""
+    import json
+
+    from xfer.bench import nvshmem_bench
+
+    FakeFabric().install(monkeypatch)
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")  # setdefault must not leak a value into later tests
+    out = tmp_path / "r.json"
+    argv = ["--pes", "1", "--iters", "3", "--staging-mib", "1", "--out", str(out)]
+    res = nvshmem_bench.main(argv + (["--chunk-mib", str(chunk_mib)] if chunk_mib else []),
+                             dims=small_dims(NHD, blocks=16))
+    assert json.loads(out.read_text())["mode"] == {"pes": 1, "status": "FAKE", "agents": "both on PE 0 (self put)"}
+    assert res["paths"]["staged"]["counted_as"] == {"staged_write": 1}
+    assert res["paths"]["direct"]["counted_as"] == {"direct_write": 1}
+    assert res["paths"]["staged"]["chunks"] == (1 if chunk_mib is None else 4)
+    assert [r["name"].split(":")[0] for r in res["rows"]] == ["contiguous device copy (ceiling)"] + \
+        ["staged"] * 3 + ["direct"] * 3
+    assert all(t.startswith("finalized") or t == "open" for t in res["teardown"].values()), res["teardown"]
+    assert "both agents share PE 0" in capsys.readouterr().out
+
+
+def test_bench_two_pe_failure_reports_the_receiver_on_the_fake(monkeypatch, capsys):
+    """The 2-PE bench's verifying write into a stuck decode PE (fake PE 1 paused; its command loop on
+    a thread): the in-flight snapshot and the failure report carry the decode PE's words and lanes,
+    and a decode side whose report itself hangs is cut off by the bound, not waited for."""
+    from xfer.bench import nvshmem_bench
+
+    fabric = FakeFabric().install(monkeypatch)
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")
+    monkeypatch.setattr(nvshmem_bench, "DESCRIBE_S", 0.5)
+    run_paths = nvshmem_bench._run_paths
+
+    def stuck(*a, **k):
+        fabric.pes[1].pause()  # decode's GPU is stuck: nothing is scattered, no credit comes back
+        calls = []
+        real = fabric.pes[1].describe
+
+        def describe():  # the bench's second report of the decode PE hangs (a stuck device copy)
+            if not threading.current_thread().name.startswith("xfer-"):  # not the lanes' own logs
+                calls.append(1)
+                if len(calls) > 1:
+                    time.sleep(30)
+            return real()
+        fabric.pes[1].describe = describe
+        try:
+            return run_paths(*a, **k)
+        finally:
+            fabric.pes[1].describe = real
+            fabric.pes[1].resume()
+
+    monkeypatch.setattr(nvshmem_bench, "_run_paths", stuck)
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="staged path: the verifying write failed") as err:
+        nvshmem_bench.main(["--iters", "3", "--staging-mib", "1", "--verify-s", "2", "--snapshot-s", "0.5",
+                            "--chunk-mib", "0.002"], dims=small_dims(NHD, blocks=16), decode_thread=True)
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    out = capsys.readouterr().out
+    assert "still RUNNING after 0.5 s" in out and "decode (receiver): PE 1/2 (fake): data words" in out, out
+    assert "decode (receiver) lanes: Lanes(Lane(pe1<-pe0/write" in out, out
+    assert "decode (receiver): host call blocked > 0.5 s" in str(err.value), err.value
+    assert "prefill (sender): PE 0/2 (fake)" in str(err.value)

@@ -12,15 +12,23 @@ Without prometheus-client installed (``pip install xfer[metrics]``) metrics are 
 from __future__ import annotations
 
 import logging
+import threading
 
 __all__ = ["Metrics"]
 
 log = logging.getLogger("xfer.transfer")
 _BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 _METRICS = None  # created once per process: prometheus refuses duplicate names in one registry
+_LOCK = threading.Lock()  # agents may be constructed on several threads at once
 
 
 def _create():
+    global _METRICS
+    with _LOCK:
+        return _create_locked()
+
+
+def _create_locked():
     global _METRICS
     if _METRICS is None:
         try:
