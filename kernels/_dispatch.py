@@ -51,8 +51,8 @@ from xfer.layout import KVLayout
 from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, slot_addresses, staging_tensor,
                         sides_touch, tensor_spans)
 
-__all__ = ["CopyPath", "select_path", "copy_blocks", "gather", "scatter", "swap_out", "swap_in", "copy_table",
-           "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
+__all__ = ["CopyPath", "select_path", "copy_blocks", "BoundCopy", "gather", "scatter", "swap_out", "swap_in",
+           "copy_table", "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
 
 
 class CopyPath(enum.Enum):
@@ -115,6 +115,7 @@ def set_copy_table(table: Mapping | None, source: str = "set_copy_table") -> Non
     checked = None if table is None else (_check_table(table, source), source)
     with _TABLE_LOCK:
         _TABLE[:] = [] if checked is None else [checked]
+        _TABLE_GEN[0] += 1
 
 
 def copy_table() -> tuple[dict[str, tuple[tuple[int, str], ...]], str]:
@@ -193,11 +194,35 @@ def _direction(src: tuple[str, bool], dst: tuple[str, bool]) -> str:
     return "d2d" if src[0] == dst[0] == "cuda" else "d2h" if src[0] == "cuda" else "h2d"
 
 
+_CHOSEN: dict = {}  # memo of _choose where no copy-engine check was involved: it runs on every copy
+_TABLE_GEN = [0]  # bumped by set_copy_table
+
+
 def _choose(src: tuple[str, bool], dst: tuple[str, bool], size: int | None, path) -> tuple[CopyPath, str]:
     """Path for sides (device type, all pinned), slices of ``size`` bytes (None: unknown), a request."""
+    env = os.environ
+    key = (src, dst, size, path, env.get("XFER_COPY_PATH"), env.get("XFER_COPY_TABLE"), env.get("TRITON_INTERPRET"),
+           _TABLE_GEN[0])
+    try:
+        hit = _CHOSEN.get(key)
+    except TypeError:  # an unhashable request: _request names it
+        key, hit = None, None
+    if hit is None:
+        chosen, why, engines_checked = _choose_uncached(src, dst, size, path)
+        hit = chosen, why
+        if key is not None and not engines_checked:  # the copy engines' availability is not memoized
+            if len(_CHOSEN) > 1024:
+                _CHOSEN.clear()
+            _CHOSEN[key] = hit
+    return hit
+
+
+def _choose_uncached(src: tuple[str, bool], dst: tuple[str, bool], size: int | None,
+                     path) -> tuple[CopyPath, str, bool]:
+    """(path, why, whether the copy engines' availability was consulted)."""
     base, why = _pick(src, dst)
     if base is not CopyPath.TRITON:
-        return base, why  # no CUDA side: the request does not apply
+        return base, why, False  # no CUDA side: the request does not apply
     req, source = _request(path)
     direction = _direction(src, dst)
     from . import copy_engine
@@ -207,7 +232,7 @@ def _choose(src: tuple[str, bool], dst: tuple[str, bool], size: int | None, path
             reason = copy_engine.available(_ENGINE_MODE[chosen])
             if reason:
                 raise TransportUnavailableError(f"copy path {req!r} ({source}) cannot run here: {reason}")
-        return chosen, f"{req} requested ({source}), {direction}"
+        return chosen, f"{req} requested ({source}), {direction}", chosen in _ENGINE_MODE
     table, table_source = copy_table()
     rows = table[direction]
     row = rows[0] if size is None else [r for r in rows if r[0] <= size][-1]
@@ -217,10 +242,11 @@ def _choose(src: tuple[str, bool], dst: tuple[str, bool], size: int | None, path
     if chosen in _ENGINE_MODE:
         reason = copy_engine.available(_ENGINE_MODE[chosen])
         if reason and chosen is CopyPath.COPY_ENGINE_BATCH and copy_engine.available("2d") is None:
-            return CopyPath.COPY_ENGINE_2D, f"{why}; batch unavailable ({reason}): 2d"
+            return CopyPath.COPY_ENGINE_2D, f"{why}; batch unavailable ({reason}): 2d", True
         if reason:
-            return CopyPath.TRITON, f"{why}; copy engine unavailable ({reason}): kernel"
-    return chosen, why
+            return CopyPath.TRITON, f"{why}; copy engine unavailable ({reason}): kernel", True
+        return chosen, why, True
+    return chosen, why, False
 
 
 def select_path(src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch.Tensor], *,
@@ -360,6 +386,12 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     """
     s_ids, d_ids = check_ids(src_layout, src_ids, dst_layout, dst_ids)
     src, dst = _side(src_layout, src_tensors), _side(dst_layout, dst_tensors)
+    return _copy(src_layout, src, s_ids, dst_layout, dst, d_ids, stream, wait_event, path, record_stream)
+
+
+def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLayout, dst: _Side, d_ids: np.ndarray,
+          stream, wait_event, path, record_stream: bool):
+    """copy_blocks between checked sides and checked ids."""
     check_overlap(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids, spans=(src.spans, dst.spans),
                   touching=_touching(src, dst))
     path, reason = _choose(src.where, dst.where, slice_bytes(src_layout, dst_layout), path)
@@ -376,41 +408,89 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     stream = torch.cuda.current_stream() if stream is None else stream
     plan = None
     used = [stream]
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+    if (path is CopyPath.TRITON and s_ids.size and src.cached and dst.cached
+            and stream.device_index == torch.cuda.current_device()):
+        # the common case, kept lean (it bounds how many transfers a second one thread can post):
+        # two caches whose tables live on the device, on the current device; every call below
+        # takes the stream explicitly, so no device or stream switch
+        from . import copy  # imports triton
         if wait_event is not None:
             stream.wait_event(wait_event)
-        if s_ids.size and path is CopyPath.TRITON:
-            from . import copy  # imports triton
-            if src.cached and dst.cached:  # two caches: their address tables stay on the device
-                plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids)
-            else:
-                plan = copy.prepare(src_layout, src.addresses, s_ids, dst_layout, dst.addresses, d_ids,
-                                    stream.device)
-            plan.launch()
-        elif s_ids.size:
-            from . import copy_engine
-            mode = _ENGINE_MODE[path]
-            plan = copy_engine.plan_for(src_layout, src.ptrs, s_ids, dst_layout, dst.ptrs, d_ids, stream.device.index)
-            side = _batch_stream(stream) if mode == "batch" else None
-            if side is None:
-                plan.launch(mode, stream.cuda_stream)
-            else:  # the batch API refuses the legacy default stream: run on a side stream in its order
-                side.wait_stream(stream)
-                plan.launch(mode, side.cuda_stream)
-                stream.wait_stream(side)
-                used.append(side)
+        plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids, stream)
+        plan.launch(stream=stream)
         event = _KeepAliveEvent()
         event.record(stream)
-    for s in used:
-        if record_stream and s != torch.cuda.current_stream(stream.device):
-            seen = set()
-            for t in (*src.tensors, *dst.tensors):
-                if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    t.record_stream(s)
+        plan.done(event)
+    else:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            if s_ids.size and path is CopyPath.TRITON:
+                from . import copy  # imports triton
+                if src.cached and dst.cached:  # two caches: their address tables stay on the device
+                    plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids)
+                else:
+                    plan = copy.prepare(src_layout, src.addresses, s_ids, dst_layout, dst.addresses, d_ids,
+                                        stream.device)
+                plan.launch()
+            elif s_ids.size:
+                from . import copy_engine
+                mode = _ENGINE_MODE[path]
+                plan = copy_engine.plan_for(src_layout, src.ptrs, s_ids, dst_layout, dst.ptrs, d_ids,
+                                            stream.device.index)
+                side = _batch_stream(stream) if mode == "batch" else None
+                if side is None:
+                    plan.launch(mode, stream.cuda_stream)
+                else:  # the batch API refuses the legacy default stream: run on a side stream in its order
+                    side.wait_stream(stream)
+                    plan.launch(mode, side.cuda_stream)
+                    stream.wait_stream(side)
+                    used.append(side)
+            event = _KeepAliveEvent()
+            event.record(stream)
+    if record_stream:
+        for s in used:
+            if s != torch.cuda.current_stream(stream.device):
+                seen = set()
+                for t in (*src.tensors, *dst.tensors):
+                    if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        t.record_stream(s)
     event.keep = (src.tensors, dst.tensors, plan)
     event.path, event.reason = path, reason
     return event
+
+
+class BoundCopy:
+    """Block copies between two fixed caches (e.g. a registered region and a peer's mapped
+    one): the tensors are checked once, here, and each call checks only its ids. The caller
+    keeps the tensors where they are (registered memory) for the object's lifetime.
+
+    ``copy(src_ids, dst_ids, ...)`` takes the keywords of :func:`copy_blocks`; ``checked=True``
+    says the ids were already validated (``KVLayout.check_block_ids``, unique destinations,
+    equal lengths) and skips that too.
+    """
+
+    def __init__(self, src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], dst_layout: KVLayout,
+                 dst_tensors: Sequence[torch.Tensor]) -> None:
+        src_layout.check_compatible(dst_layout, what="destination")
+        self.src_layout, self.dst_layout = src_layout, dst_layout
+        self.src, self.dst = _Side(src_layout, list(src_tensors)), _Side(dst_layout, list(dst_tensors))
+        self.src.cached = self.dst.cached = True  # long-lived: keep their pair tables on the device
+
+    def select_path(self, path=None) -> tuple[CopyPath, str]:
+        """The path a copy takes for the request ``path`` (see the module doc), and why."""
+        return _choose(self.src.where, self.dst.where, slice_bytes(self.src_layout, self.dst_layout), path)
+
+    def copy(self, src_ids, dst_ids, *, stream: torch.cuda.Stream | None = None,
+             wait_event: torch.cuda.Event | None = None, path=None, record_stream: bool = True,
+             checked: bool = False) -> torch.cuda.Event | None:
+        if checked:
+            s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+        else:
+            s_ids, d_ids = check_ids(self.src_layout, src_ids, self.dst_layout, dst_ids)
+        return _copy(self.src_layout, self.src, s_ids, self.dst_layout, self.dst, d_ids, stream, wait_event, path,
+                     record_stream)
 
 
 def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, out: torch.Tensor,

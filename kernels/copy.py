@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import torch
@@ -95,14 +96,27 @@ def _kernel(interpret: bool):
 _COMPILED: dict[tuple, object] = {}
 
 
-def _launch(grid: int, args: tuple, num_warps: int, device: int) -> None:
-    """Launch through Triton's compiled-kernel cache, skipping its per-call argument binding."""
-    key = (device, args[12:], num_warps, tuple(-2**31 <= a < 2**31 for a in args[2:12]))
+def _launch_key(args: tuple, num_warps: int, device: int) -> tuple:
+    """What a compiled kernel depends on: the device, the constexprs, num_warps, the integers' widths."""
+    return device, args[12:], num_warps, tuple(-2**31 <= a < 2**31 for a in args[2:12])
+
+
+def _launch(grid: int, args: tuple, num_warps: int, device: int, stream: torch.cuda.Stream | None = None,
+            key: tuple | None = None) -> None:
+    """Launch through Triton's compiled-kernel cache, skipping its per-call argument binding;
+    on ``stream`` (None: the current stream)."""
+    key = _launch_key(args, num_warps, device) if key is None else key
     compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = _kernel(False)[(grid,)](*args, num_warps=num_warps)
-    else:
+    if compiled is None:  # the first launch compiles (on the current stream)
+        if stream is None:
+            _COMPILED[key] = _kernel(False)[(grid,)](*args, num_warps=num_warps)
+        else:
+            with torch.cuda.stream(stream):
+                _COMPILED[key] = _kernel(False)[(grid,)](*args, num_warps=num_warps)
+    elif stream is None:
         compiled[(grid, 1, 1)](*args)
+    else:
+        compiled[(grid, 1, 1)](*args, stream=stream.cuda_stream)
 
 
 _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -132,10 +146,10 @@ class CopyPlan:
     """
 
     __slots__ = ("table", "ids", "n", "slots", "sizes", "s_str", "d_str", "run_words", "word_bytes", "align",
-                 "interpret", "device")
+                 "interpret", "device", "tiles", "ring")
 
     def __init__(self, table: torch.Tensor, n: int, slots: int, geometry, word_bytes: int, align: int,
-                 interpret: bool, ids: torch.Tensor | None = None) -> None:
+                 interpret: bool, ids: torch.Tensor | None = None, tiles: dict | None = None) -> None:
         run_bytes, self.sizes, s_str, d_str = geometry
         self.table, self.n, self.slots = table, n, slots
         self.ids = table[2 * slots:] if ids is None else ids
@@ -144,10 +158,18 @@ class CopyPlan:
         self.d_str = tuple(x // word_bytes for x in d_str)
         self.run_words = run_bytes // word_bytes
         self.device = table.device
+        self.tiles = tiles  # (n, tile_bytes, num_warps) -> launch shape, shared by a pair's plans
+        self.ring = None  # the _IdsRing entry holding ``ids``, released with the launch's event
 
     def __repr__(self) -> str:
         return (f"CopyPlan(n={self.n}, slots={self.slots}, runs/block={math.prod(self.sizes)}, "
                 f"run={self.run_words}x{self.word_bytes}B, align={self.align}, device={self.device})")
+
+    def done(self, event) -> None:
+        """The launch's completion event: the ids buffers it read may be reused once it completed."""
+        if self.ring is not None:
+            self.ring[2] = event
+            self.ring = None
 
     def tiling(self, tile_bytes: int | None = None) -> tuple[int, int, int, int]:
         """(CHUNK words, CHUNKS a run, ROWS a program, programs) for a tile of ``tile_bytes``."""
@@ -167,25 +189,36 @@ class CopyPlan:
                 rows //= 2
         return chunk, chunks, rows, triton.cdiv(n_rows, rows)
 
-    def launch(self, tile_bytes: int | None = None, num_warps: int | None = None) -> None:
-        """Launch the kernel on the current stream (the interpreter runs it right away).
+    def launch(self, tile_bytes: int | None = None, num_warps: int | None = None,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """Launch the kernel on ``stream`` (None: the current stream; the interpreter runs it right away).
 
         ``tile_bytes`` / ``num_warps`` override the tuned defaults (for benchmarks).
         """
         if self.n == 0:
             return
-        chunk, chunks, rows, programs = self.tiling(tile_bytes)
-        if num_warps is None:  # a warp per KiB of tile: 2 16-byte vectors a thread
-            num_warps = max(2, min(16, rows * chunk * self.word_bytes // 1024))
-        n_rows = self.n * self.slots * math.prod(self.sizes) * chunks
-        args = (self.table, self.ids, self.n, n_rows, self.s_str[0], self.d_str[0],
-                self.s_str[1], self.d_str[1], self.s_str[2], self.d_str[2], self.s_str[3], self.d_str[3],
-                self.slots, *self.sizes, self.run_words, chunk, chunks, rows, _WORDS[self.word_bytes],
-                self.word_bytes, self.align)
+        shape_key = (self.n, tile_bytes, num_warps)
+        shape = None if self.tiles is None else self.tiles.get(shape_key)
+        if shape is None:
+            chunk, chunks, rows, programs = self.tiling(tile_bytes)
+            warps = num_warps
+            if warps is None:  # a warp per KiB of tile: 2 16-byte vectors a thread
+                warps = max(2, min(16, rows * chunk * self.word_bytes // 1024))
+            n_rows = self.n * self.slots * math.prod(self.sizes) * chunks
+            consts = (self.s_str[0], self.d_str[0], self.s_str[1], self.d_str[1], self.s_str[2], self.d_str[2],
+                      self.s_str[3], self.d_str[3], self.slots, *self.sizes, self.run_words, chunk, chunks, rows,
+                      _WORDS[self.word_bytes], self.word_bytes, self.align)
+            key = None if self.interpret else _launch_key((None, None, self.n, n_rows, *consts), warps,
+                                                          self.device.index)
+            shape = (programs, warps, n_rows, consts, key)
+            if self.tiles is not None:
+                self.tiles[shape_key] = shape
+        programs, warps, n_rows, consts, key = shape
+        args = (self.table, self.ids, self.n, n_rows, *consts)
         if self.interpret:
             _kernel(True)[(programs,)](*args)
         else:
-            _launch(programs, args, num_warps, self.device.index)
+            _launch(programs, args, warps, self.device.index, stream, key)
 
 
 @functools.cache
@@ -219,12 +252,63 @@ def prepare(src_layout: KVLayout, src_addr: np.ndarray, src_ids: np.ndarray, dst
     return CopyPlan(table, len(src_ids), src_layout.num_slots, geometry, min(align, 8), align, interpret)
 
 
+class _IdsRing:
+    """Pinned host and device buffers for the block ids of one pair's launches, reused once the
+    launch that last read one has completed (its event): a repeat copy then costs one
+    ``cudaMemcpyAsync`` on its stream, no allocation and no stream switch."""
+
+    SIZE = 8
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.entries: list[list | None] = [None] * self.SIZE  # [host, device buffer, event | None]
+        self.next = 0
+        self.lock = threading.Lock()  # copies may run on several threads
+
+    def upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream, memcpy):
+        """(device ids ``[src..., dst...]``, the entry to release) or None when every entry is busy."""
+        with self.lock:
+            return self._upload(src_ids, dst_ids, stream, memcpy)
+
+    def _upload(self, src_ids, dst_ids, stream, memcpy):
+        n = len(src_ids)
+        for _ in range(self.SIZE):
+            i = self.next
+            self.next = (i + 1) % self.SIZE
+            entry = self.entries[i]
+            if entry is not None and entry[2] is not None:
+                if not entry[2].query():
+                    continue
+                entry[2] = None
+            if entry is None or entry[0].numel() < 2 * n:
+                size = max(256, triton.next_power_of_2(2 * n))
+                entry = self.entries[i] = [torch.empty(size, dtype=torch.int64, pin_memory=True),
+                                           torch.empty(size, dtype=torch.int64, device=self.device), None]
+            host = entry[0].numpy()
+            host[:n], host[n:2 * n] = src_ids, dst_ids
+            rc = memcpy(entry[1].data_ptr(), entry[0].data_ptr(), 16 * n, 1, stream.cuda_stream)  # 1: H2D
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpyAsync of the block ids failed with error {rc}")
+            entry[2] = _PENDING  # until the launch's event is set: not reusable
+            return entry[1][:2 * n], entry
+        return None
+
+
+class _Pending:
+    def query(self) -> bool:
+        return False
+
+
+_PENDING = _Pending()
+
+
 class PairTables:
     """What a copy between two fixed sides needs besides the block ids, built once: the kernel
     geometry, the common alignment of every address and stride, and the slot-address table
-    already on the device. A repeat copy between the same caches then uploads only its ids."""
+    already on the device. A repeat copy between the same caches then uploads only its ids
+    (into reused buffers, on the copy's own stream) and reuses its launch shape."""
 
-    __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots")
+    __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots", "tiles", "ring")
 
     def __init__(self, src_layout: KVLayout, src_addr: np.ndarray, dst_layout: KVLayout, dst_addr: np.ndarray,
                  device: torch.device) -> None:
@@ -236,15 +320,36 @@ class PairTables:
         self.align = g & -g
         self.slots = src_layout.num_slots
         self.table = torch.from_numpy(addr.copy()).to(device)  # once per pair: a blocking upload is fine
+        self.tiles: dict = {}
+        self.ring = _IdsRing(device)
 
-    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyPlan:
-        """A plan for *validated* ids: one small pinned upload of the ids on the current stream."""
+    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream | None = None) -> CopyPlan:
+        """A plan for *validated* ids: one small upload of the ids, on ``stream`` (None: the current
+        stream). With a stream, release the plan (:meth:`CopyPlan.done`) with its launch's event."""
         if SORT_BY_DESTINATION and len(dst_ids) > 1:
             order = np.argsort(dst_ids)
             src_ids, dst_ids = src_ids[order], dst_ids[order]
         n = len(src_ids)
-        staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-        host = staged.numpy()
-        host[:n], host[n:] = src_ids, dst_ids
-        ids = staged.to(self.device, non_blocking=True)  # the host allocator keeps `staged` until copied
-        return CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False, ids=ids)
+        hit = None
+        if stream is not None:
+            from . import copy_engine
+
+            rt = copy_engine._runtime()
+            if not isinstance(rt, str):
+                hit = self.ring.upload(src_ids, dst_ids, stream, rt.memcpy)
+        if hit is None:
+            staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+            host = staged.numpy()
+            host[:n], host[n:] = src_ids, dst_ids
+            if stream is None:
+                ids = staged.to(self.device, non_blocking=True)  # the host allocator keeps `staged` until copied
+            else:
+                with torch.cuda.stream(stream):
+                    ids = staged.to(self.device, non_blocking=True)
+            entry = None
+        else:
+            ids, entry = hit
+        plan = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False, ids=ids,
+                        tiles=self.tiles)
+        plan.ring = entry
+        return plan

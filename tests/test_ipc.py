@@ -40,6 +40,31 @@ def test_copy_path_config_is_checked():
             AgentConfig(copy_path=bad)
 
 
+def test_memory_outside_torchs_allocator_is_refused_by_name():
+    """An NVSHMEM symmetric heap (or any memory torch did not allocate) cannot be exported by CUDA
+    IPC: the region is published as unshareable and the route names why, so selection moves on."""
+    from types import SimpleNamespace
+
+    from xfer.metadata import RegionRecord
+    from xfer.transports.ipc import IpcTransport
+
+    class Storage:
+        def _share_cuda_(self):
+            raise RuntimeError("invalid device pointer: 0x329c40a00\nmore")
+
+    tensor = SimpleNamespace(untyped_storage=Storage)
+    region = SimpleNamespace(device=torch.device("cuda", 0), tensors=[tensor], name="kv")
+    export = IpcTransport.export_region(SimpleNamespace(), region)
+    assert export == {"unshareable": "base tensor 0 cannot be exported by CUDA IPC: invalid device pointer: "
+                                     "0x329c40a00"}
+    tr = SimpleNamespace(kind=IpcTransport.kind, ctx=SimpleNamespace(host_id="h"))
+    rec = RegionRecord(name="kv", layout=make_kv_cache("mla", **small_dims("mla"))[1], device="cuda:0",
+                       exports={"ipc": export})
+    peer = SimpleNamespace(metadata=SimpleNamespace(transports={"ipc": {"host_id": "h"}}, name="p", hostname="x"))
+    why = IpcTransport.check_route(tr, region, peer, rec, None)
+    assert why.startswith("peer region 'kv': base tensor 0 cannot be exported by CUDA IPC")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on machines without a GPU")
 def test_without_cuda_ipc_is_unavailable_and_says_why():
     with Agent("x") as a:

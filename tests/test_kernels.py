@@ -95,6 +95,25 @@ def test_copy_blocks_every_kind(interpret, kind, shape):
     assert all(torch.equal(a, raw(b)) for a, b in zip(before, src)), "the source changed"
 
 
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.PACKED_KV], ids=lambda k: k.value)
+def test_bound_copy_checks_once_and_moves_exact_bytes(interpret, kind):
+    from xfer.kernels import BoundCopy
+    src, sl = cache(kind)
+    dst, dl = cache(kind, blocks=7, fill="poison")
+    bound = BoundCopy(sl, src, dl, dst)
+    assert bound.select_path()[0] is CopyPath.TRITON_INTERPRETER
+    assert bound.copy([4, 0], [1, 6]) is None
+    assert bound.copy(np.array([2], dtype=np.int64), np.array([3], dtype=np.int64), checked=True) is None
+    check_moved(sl, src, [4, 0, 2], dl, dst, [1, 6, 3])
+    for bad, err in ((([0, 1], [2, 2]), BlockIdError), (([0], [7]), BlockIdError),
+                     (([0, 1], [2]), LengthMismatchError)):
+        with pytest.raises(err):
+            bound.copy(*bad)
+    check_moved(sl, src, [4, 0, 2], dl, dst, [1, 6, 3])  # refused copies moved nothing
+    with pytest.raises(LayoutMismatchError):
+        BoundCopy(sl, src, cache(LayoutKind.MLA)[1], cache(LayoutKind.MLA)[0])
+
+
 @pytest.mark.parametrize("kind", list(LayoutKind), ids=lambda k: k.value)
 def test_gather_scatter_round_trip(interpret, kind):
     src, layout = cache(kind, shape="fp8-odd", blocks=6)

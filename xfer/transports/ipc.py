@@ -79,9 +79,12 @@ class IpcTransport(OneSidedTransport):
         if region.device.type != "cuda":
             return None
         bases = []
-        for t in region.tensors:
+        for i, t in enumerate(region.tensors):
             storage = t.untyped_storage()
-            share = storage._share_cuda_()
+            try:
+                share = storage._share_cuda_()
+            except RuntimeError as exc:  # not from torch's CUDA allocator (e.g. an NVSHMEM symmetric heap)
+                return {"unshareable": f"base tensor {i} cannot be exported by CUDA IPC: {str(exc).splitlines()[0]}"}
             bases.append(encode_share(share, t.data_ptr() - storage.data_ptr(), _uuid(t.device.index)))
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
         handle = "expandable" if "expandable_segments:True" in conf.replace(" ", "") else "legacy"
@@ -94,6 +97,8 @@ class IpcTransport(OneSidedTransport):
         export = peer_region.exports.get(self.kind.value)
         if not export:
             return f"peer region {peer_region.name!r} is on {peer_region.device}, not a CUDA device"
+        if "unshareable" in export:
+            return f"peer region {peer_region.name!r}: {export['unshareable']}"
         if local.device.type != "cuda":
             return f"local region {local.name!r} is on {local.device}; ipc moves device memory"
         peer_index = self._local_uuids.get(export["uuid"])

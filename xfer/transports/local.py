@@ -37,6 +37,7 @@ class LocalTransport(OneSidedTransport):
         return {"segments": [list(s) for s in segments] if all(segments) else None}
 
     def release_region(self, region: LocalRegion) -> None:
+        super().release_region(region)
         with _IN_PROCESS_LOCK:
             _IN_PROCESS.pop((self.ctx.agent_id, region.name), None)
 

@@ -40,6 +40,8 @@ class OneSidedTransport(Transport):
         super().__init__(ctx)
         self._jobs: queue.Queue = queue.Queue()
         self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
+        # (peer agent id, peer region, id of the local region, op) -> (local region, xfer.kernels.BoundCopy)
+        self._bound: dict[tuple, tuple] = {}
         self._closed = False
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
@@ -66,6 +68,12 @@ class OneSidedTransport(Transport):
     def disconnect(self, peer_agent_id: str) -> None:
         for key in [k for k in self._mapped if k[0] == peer_agent_id]:
             del self._mapped[key]
+        for key in [k for k in self._bound if k[0] == peer_agent_id]:
+            self._bound.pop(key, None)
+
+    def release_region(self, region) -> None:
+        for key in [k for k, v in self._bound.items() if v[0] is region]:
+            self._bound.pop(key, None)
 
     def close(self) -> None:
         if self._closed:
@@ -82,6 +90,7 @@ class OneSidedTransport(Transport):
             if job is not None:
                 job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
+        self._bound.clear()
 
     def _peer_tensors(self, job: Job) -> list[torch.Tensor]:
         key = (job.peer.metadata.agent_id, job.peer_region.name)
@@ -147,26 +156,35 @@ class OneSidedTransport(Transport):
         else:  # never leave a transfer hanging on a bug
             job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport failed: {exc!r}"))
 
+    def _bound_copy(self, job: Job):
+        """The checked copy between the local region and the peer's (mapped once), per direction."""
+        key = (job.peer.metadata.agent_id, job.peer_region.name, id(job.local), job.op)
+        hit = self._bound.get(key)
+        if hit is None or hit[0] is not job.local:
+            from xfer.kernels import BoundCopy
+
+            peer_tensors = self._peer_tensors(job)
+            local, rec = job.local, job.peer_region
+            if job.op is Op.WRITE:
+                bound = BoundCopy(local.layout, local.tensors, rec.layout, peer_tensors)
+            else:
+                bound = BoundCopy(rec.layout, peer_tensors, local.layout, local.tensors)
+            hit = self._bound[key] = (job.local, bound)
+        return hit[1]
+
     def _launch(self, job: Job):
         """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
-        from xfer.kernels import copy_blocks, select_path
-
-        peer_tensors = self._peer_tensors(job)
-        local, rec, t = job.local, job.peer_region, job.transfer
-        if job.op is Op.WRITE:
-            src, src_t, src_ids, dst, dst_t, dst_ids = local.layout, local.tensors, job.local_ids, rec.layout, \
-                peer_tensors, job.peer_ids
-        else:
-            src, src_t, src_ids, dst, dst_t, dst_ids = rec.layout, peer_tensors, job.peer_ids, local.layout, \
-                local.tensors, job.local_ids
+        bound = self._bound_copy(job)
+        t = job.transfer
+        src_ids, dst_ids = (job.local_ids, job.peer_ids) if job.op is Op.WRITE else (job.peer_ids, job.local_ids)
         request = self.ctx.config.copy_path
-        chosen, why = select_path(src_t, dst_t, src_layout=src, dst_layout=dst, path=request)
+        chosen, why = bound.select_path(request)
         t.copy_path = chosen.value
         if self.describe_copy:
             t.path = f"{self.kind.value} (copy: {chosen.value}; {why})"
         stream = self.stream(job)
         if stream is None:  # copies on this thread: chunks let cancel, deadline and peer death stop it
-            per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, local.layout.bytes_per_block))
+            per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, job.local.layout.bytes_per_block))
         else:  # queued on a stream, a copy runs on regardless: one launch moves every block
             per_chunk = max(1, len(src_ids))
         event, ready = None, job.ready
@@ -178,9 +196,9 @@ class OneSidedTransport(Transport):
             self._check_alive(job)
             end = start + per_chunk
             # the completer holds the event (and through it every tensor) until the copy ended:
-            # no record_stream per call
-            event = copy_blocks(src, src_t, src_ids[start:end], dst, dst_t, dst_ids[start:end], stream=stream,
-                                wait_event=ready, record_stream=False,
-                                path=chosen if chosen.value in _REQUESTABLE else request)
+            # no record_stream per call; the agent checked the ids when the transfer was posted
+            event = bound.copy(src_ids[start:end], dst_ids[start:end], stream=stream, wait_event=ready,
+                               record_stream=False, checked=True,
+                               path=chosen if chosen.value in _REQUESTABLE else request)
             ready = None
         return event
