@@ -159,7 +159,7 @@ class ServeRead(_Item):
             _send_all(lane, self)
         except BaseException as exc:  # noqa: BLE001
             error = _as_xfer_error(exc, repr(self))
-            log.info("NVSHMEM %r stopped: %s", self, error)
+            log.warning("NVSHMEM %r stopped: %s", self, error, exc_info=not isinstance(exc, (XferError, _Stop)))
             lane.dead_upto = max(lane.dead_upto, self.last)
             lane.drain(self.last)
         finally:
@@ -204,7 +204,7 @@ class Receive(_Item):
             error = _as_xfer_error(exc, repr(self))
             with lane.cond:
                 self.state, self.why = Receive.DISCARDED, str(error)
-            log.info("NVSHMEM %r discarded: %s", self, error)
+            log.warning("NVSHMEM %r discarded: %s", self, error, exc_info=not isinstance(exc, (XferError, _Stop)))
             lane.dead_upto = max(lane.dead_upto, self.last)
             lane.drain(self.last)
         finally:
