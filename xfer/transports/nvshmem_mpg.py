@@ -58,13 +58,23 @@ def _set_kernel():
     import triton
     import triton.language as tl
 
-    # the address comes as an integer, cast here: Triton's launcher checks pointer arguments with
-    # cuPointerGetAttribute, which refused a peer's word mapped by nvshmem_ptr (limited MPG, H200)
-    @triton.jit(do_not_specialize=["addr", "value"])
-    def set_word(addr, value):
-        tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+    @triton.jit(do_not_specialize=["value"])
+    def set_word(word_ptr, value):
+        tl.atomic_xchg(word_ptr, value, sem="release", scope="sys")
 
     return set_word
+
+
+class _Word:
+    """A raw device address as a Triton pointer argument (an int64 word; a peer's, mapped here)."""
+
+    dtype = torch.int64
+
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
 
 
 class MpgOps:
@@ -136,7 +146,7 @@ class MpgOps:
         ``signal_op_on_stream`` issues ``cuStreamWriteValue64`` on the mapping, which fails in
         limited MPG and exits the process."""
         with torch.cuda.stream(stream):
-            _set_kernel()[(1,)](int(mapped_addr), int(value), num_warps=1)
+            _set_kernel()[(1,)](_Word(mapped_addr), int(value), num_warps=1)
 
     def set_own(self, stream, addr: int, value: int) -> None:
         """Queue on ``stream``: this PE's word at ``addr`` := ``value``."""
