@@ -146,7 +146,13 @@ class MpgOps:
         ``signal_op_on_stream`` issues ``cuStreamWriteValue64`` on the mapping, which fails in
         limited MPG and exits the process."""
         with torch.cuda.stream(stream):
-            _set_kernel()[(1,)](_Word(mapped_addr), int(value), num_warps=1)
+            try:
+                _set_kernel()[(1,)](_Word(mapped_addr), int(value), num_warps=1)
+            except ValueError as exc:  # Triton's launcher asks CUDA whether the address is mapped here
+                # seen on the H200 with two PEs on one GPU and a 2.5 GiB heap (the tests' small heaps
+                # work): storing through the address anyway faults and kills this process's context
+                raise TransportError(f"the peer's signal word, mapped here at 0x{mapped_addr:x} by nvshmem_ptr, is "
+                                     f"not accessible from this process (limited MPG): {exc}") from None
 
     def set_own(self, stream, addr: int, value: int) -> None:
         """Queue on ``stream``: this PE's word at ``addr`` := ``value``."""
