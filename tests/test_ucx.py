@@ -334,6 +334,16 @@ def test_chunk_layouts_are_memoized_and_kernel_copies_round_trip():
             dst.scatter(buf, to, l0, l1, layout)  # the staging is in the sender's (packed: HNC) order
         assert_blocks_equal(layout, src_t, ids, dst_layout, dst_t, to)
         assert_untouched(dst_layout, dst_t, to)
+        # a slot is bound once: the same buffer with other ids reuses its checked copy
+        bound = len(src._bounds)
+        slot = torch.empty(2 * layout.num_layers * layout.num_kv * layout.block_nbytes, dtype=torch.uint8)
+        for pair, dst_ids in (([2, 4], [6, 8]), ([11, 0], [10, 2])):
+            src.gather(np.array(pair), 0, layout.num_layers, slot)
+            dst.scatter(slot, np.array(dst_ids), 0, layout.num_layers, layout)
+        assert len(src._bounds) == bound + 1
+        written = [*to, 6, 8, 10, 2]
+        assert_blocks_equal(layout, src_t, [*ids, 2, 4, 11, 0], dst_layout, dst_t, written)
+        assert_untouched(dst_layout, dst_t, written)
 
 
 # small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
