@@ -102,6 +102,7 @@ class NvshmemTransport(Transport):
         self._direct: _DirectPath | None = None
         self._views: dict[tuple[str, str], list | None] = {}
         self._lock = threading.Lock()
+        self._bounds: dict[int, dict] = {}  # id(local region) -> its staging copies (Runtime.gather/scatter)
 
     def __repr__(self) -> str:
         return f"NvshmemTransport({self.ctx.agent_name!r}, {self.rt!r}, stats={dict(self.stats)})"
@@ -274,7 +275,18 @@ class NvshmemTransport(Transport):
         """
         return self.rt.register_external(tensors)
 
+    def bounds_for(self, region) -> dict:
+        """The cache of ``region``'s copies to and from staging positions (dropped with the region)."""
+        with self._lock:
+            return self._bounds.setdefault(id(region), {})
+
     # ---- life cycle ---------------------------------------------------------------------------------
+    def release_region(self, region) -> None:
+        with self._lock:
+            self._bounds.pop(id(region), None)
+        if self._direct is not None:
+            self._direct.release_region(region)
+
     def disconnect(self, peer_agent_id: str) -> None:
         with self._lock:
             for key in [k for k in self._views if k[0] == peer_agent_id]:
@@ -289,4 +301,5 @@ class NvshmemTransport(Transport):
         if self._direct is not None:
             self._direct.close()
         self._views.clear()
+        self._bounds.clear()
         nvshmem_runtime.release(self.rt)

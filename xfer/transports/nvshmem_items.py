@@ -10,6 +10,7 @@ Lanes, flow control and draining: :mod:`~xfer.transports.nvshmem_lanes`.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
@@ -36,6 +37,11 @@ def _as_xfer_error(exc: BaseException, what: str) -> XferError:
     return TransportError(f"{what} failed: {exc!r}")
 
 
+@functools.lru_cache(maxsize=256)
+def _staging(layout, n: int):
+    return layout.staging(n)  # building one checks every slot: once per (layout, blocks)
+
+
 def _send_chunk(lane, item, k: int):
     """Sender stream, chunk k: wait for its position to be free, gather into it, put it."""
     rt, s = lane.rt, item.seq0 + k
@@ -46,7 +52,8 @@ def _send_chunk(lane, item, k: int):
     ready = getattr(getattr(item, "job", None), "ready", None)
     if k == 0 and ready is not None:  # the caller's stream had queued the KV this gathers
         lane.stream.wait_event(ready)
-    keep = rt.gather(lane.stream, item.layout, item.tensors, item.ids[start:end], lane.peer, lane.role, s, nbytes)
+    keep = rt.gather(lane.stream, item.layout, item.tensors, item.ids[start:end], lane.peer, lane.role, s, nbytes,
+                     item.bounds)
     rt.put_signal(lane.stream, lane.peer, lane.role, s, nbytes)
     return keep
 
@@ -58,7 +65,7 @@ def _recv_chunk(lane, item, k: int):
     nbytes = (end - start) * item.layout.bytes_per_block
     rt.wait_data(lane.stream, lane.peer, lane.role, s, check=lambda: item.check(lane))
     keep = rt.scatter(lane.stream, lane.peer, lane.role, s, nbytes, item.layout, item.tensors, item.ids[start:end],
-                      item.sender_layout.staging(end - start))
+                      _staging(item.sender_layout, end - start), item.bounds)
     rt.send_credit(lane.stream, lane.peer, lane.role, s)
     return keep
 
@@ -94,6 +101,7 @@ class _Initiated(_Item):
         super().__init__(job.transfer.deadline)
         self.owner, self.job, self.plan = owner, job, plan
         self.layout, self.tensors, self.ids = job.local.layout, job.local.tensors, job.local_ids
+        self.bounds = owner.bounds_for(job.local)
         md = job.peer.metadata
         self._pid, self._host = md.pid, md.host_id
 
@@ -149,6 +157,7 @@ class ServeRead(_Item):
         super().__init__(time.monotonic() + req.timeout + GRACE_S)
         self.owner, self.req, self.plan = owner, req, req.plan
         self.layout, self.tensors, self.ids = region.layout, region.tensors, req.ids
+        self.bounds = owner.bounds_for(region)
         self._pid, self._host = req.pid, req.host_id
 
     def __repr__(self) -> str:
@@ -175,6 +184,7 @@ class Receive(_Item):
         super().__init__(time.monotonic() + begin.timeout + GRACE_S)
         self.owner, self.begin, self.plan, self.payload = owner, begin, begin.plan, payload
         self.layout, self.tensors, self.ids = region.layout, region.tensors, begin.ids
+        self.bounds = owner.bounds_for(region)
         self.sender_layout = begin.sender_layout
         self.state, self.why = Receive.ACTIVE, ""
         self._pid, self._host = begin.pid, begin.host_id
