@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|xferbench|engine|copycal|all]...   (default: all;
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|all]...   (default: all;
 # copycal, the kernel vs copy-engine calibration that writes the auto table, runs only when named)
-# Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _XFERBENCH,
+# Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _UCX, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
 # written is also packed into $OUT/gpu-out.tgz (the device tool returns at most 8 files).
@@ -66,7 +66,15 @@ for step in $what; do
           2>&1 | tee -a "$OUT/nvshmem-probe.log"
       done ;;&
     nvshmem|all)
-      run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --out "$OUT/nvshmem.json" 2>&1 | tee "$OUT/nvshmem.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+      # one PE (both agents on it: self puts), then two PEs (on one GPU when there is only one)
+      run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --pes 1 --out "$OUT/nvshmem-1pe.json" 2>&1 \
+        | tee "$OUT/nvshmem-1pe.log"; rc=$((rc | ${PIPESTATUS[0]}))
+      run_step NVSHMEM python3 -m xfer.bench.nvshmem_bench --pes 2 --out "$OUT/nvshmem-2pe.json" 2>&1 \
+        | tee "$OUT/nvshmem-2pe.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
+    ucx|all)
+      # the UCX transport on device memory between two processes, beside a device copy and a ucxx send
+      run_step UCX python3 bench/ucx_bench.py --device cuda --iters 5 --json "$OUT/ucx-cuda.json" 2>&1 \
+        | tee "$OUT/ucx-cuda.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     xferbench|all)
       # the main job on device memory, every transport pinned in turn (ucx: device memory between processes)
       run_step XFERBENCH python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
