@@ -65,6 +65,28 @@ def test_memory_outside_torchs_allocator_is_refused_by_name():
     assert why.startswith("peer region 'kv': base tensor 0 cannot be exported by CUDA IPC")
 
 
+def test_peer_liveness_sees_a_killed_unreaped_process():
+    """The check before every launch to a peer: a kill is seen at once, even before the process is
+    reaped (a zombie), and a later check of a live peer polls its cached pidfd."""
+    import subprocess
+
+    from xfer import shm
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert shm.pid_alive(proc.pid) and shm.pid_alive(proc.pid)
+        assert proc.pid in shm._PIDFDS or not hasattr(shm.os, "pidfd_open")
+        proc.kill()
+        end = time.monotonic() + 5
+        while shm.pid_alive(proc.pid) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not shm.pid_alive(proc.pid) and proc.pid not in shm._PIDFDS
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not shm.pid_alive(proc.pid)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on machines without a GPU")
 def test_without_cuda_ipc_is_unavailable_and_says_why():
     with Agent("x") as a:

@@ -12,6 +12,7 @@ import itertools
 import mmap
 import os
 import re
+import select
 import threading
 
 import torch
@@ -43,8 +44,43 @@ def _reap_stale() -> None:
                 pass
 
 
+_PIDFDS: dict[int, int] = {}  # pid -> pidfd, for processes found alive (peers checked before every launch)
+_PIDFDS_MAX = 64
+_PIDFDS_LOCK = threading.Lock()  # not _lock: segments are reaped (pid_alive) under _lock
+
+
 def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie (killed but not yet reaped)."""
+    """True while process ``pid`` exists and is not a zombie (killed but not yet reaped).
+
+    A process seen alive keeps a pidfd here (Linux >= 5.3), so a later check is one poll of it,
+    not a read of ``/proc`` (tens of microseconds on a slow CPU, before every launch to a peer).
+    A pidfd stays with its process: a recycled pid reads as the old process, gone."""
+    with _PIDFDS_LOCK:
+        fd = _PIDFDS.get(pid)
+    if fd is None:
+        alive = _pid_alive_proc(pid)
+        if alive and hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                return alive
+            with _PIDFDS_LOCK:
+                if pid in _PIDFDS or len(_PIDFDS) >= _PIDFDS_MAX:
+                    os.close(fd)
+                else:
+                    _PIDFDS[pid] = fd
+            return _pid_alive_proc(pid)  # it may have ended between the two looks
+        return alive
+    if not select.select([fd], [], [], 0)[0]:
+        return True
+    with _PIDFDS_LOCK:  # readable: the process has ended
+        if _PIDFDS.get(pid) == fd:
+            del _PIDFDS[pid]
+            os.close(fd)
+    return False
+
+
+def _pid_alive_proc(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
