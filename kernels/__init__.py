@@ -2,7 +2,9 @@
 
 ``copy_blocks`` moves blocks between two caches (converting physical orders), ``gather`` /
 ``scatter`` go through a dense staging buffer, ``swap_out`` / ``swap_in`` move blocks to and from
-pinned host memory. Copies touching CUDA memory run by the Triton kernel or by the copy engines
+pinned host memory; ``BoundCopy`` does the same between two fixed caches (a registered region and
+a peer's, or a staging slot), checked once, each call then only uploading its block ids. Copies
+touching CUDA memory run by the Triton kernel or by the copy engines
 (``path=``/``XFER_COPY_PATH``: kernel, batch, 2d, auto; see :mod:`xfer.kernels._dispatch` and
 :mod:`xfer.kernels.copy_engine`). Triton is imported only when a kernel runs (CI imports xfer
 without a GPU).
