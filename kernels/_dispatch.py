@@ -33,6 +33,7 @@ The event a CUDA copy returns says what ran: ``event.path`` (a :class:`CopyPath`
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -408,19 +409,20 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
     stream = torch.cuda.current_stream() if stream is None else stream
     plan = None
     used = [stream]
-    if (path is CopyPath.TRITON and s_ids.size and src.cached and dst.cached
-            and stream.device_index == torch.cuda.current_device()):
+    if path is CopyPath.TRITON and s_ids.size and src.cached and dst.cached:
         # the common case, kept lean (it bounds how many transfers a second one thread can post):
-        # two caches whose tables live on the device, on the current device; every call below
-        # takes the stream explicitly, so no device or stream switch
+        # two caches whose tables live on the device; every call below takes the stream
+        # explicitly, so no stream switch, and a device switch only off the current device
         from . import copy  # imports triton
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids, stream)
-        plan.launch(stream=stream)
-        event = _KeepAliveEvent()
-        event.record(stream)
-        plan.done(event)
+        other = stream.device_index != torch.cuda.current_device()
+        with torch.cuda.device(stream.device_index) if other else contextlib.nullcontext():
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids, stream)
+            plan.launch(stream=stream)
+            event = _KeepAliveEvent()
+            event.record(stream)
+            plan.done(event)
     else:
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             if wait_event is not None:
