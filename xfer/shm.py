@@ -71,7 +71,9 @@ def pid_alive(pid: int) -> bool:
                     _PIDFDS[pid] = fd
             return _pid_alive_proc(pid)  # it may have ended between the two looks
         return alive
-    if not select.select([fd], [], [], 0)[0]:
+    poller = select.poll()  # not select.select: it refuses fds above 1023 (UCX opens many)
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(0):
         return True
     with _PIDFDS_LOCK:  # readable: the process has ended
         if _PIDFDS.get(pid) == fd:
