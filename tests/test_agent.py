@@ -305,3 +305,46 @@ def test_send_delivers_a_message_without_blocks(pair):
     pair.b._server._handler = (lambda h, p, f=pair.b._server._handler: (time.sleep(2), f(h, p))[1])
     with pytest.raises(TransferTimeoutError):
         pair.a.send(pair.peer, b"late", timeout=0.3)
+
+
+def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypatch):
+    """Transfers to one peer whose copies ended while a notice was in flight go in one
+    ``notify_batch`` message; every transfer still gets its own notification, in order, with its
+    payload, and a notice the peer refuses fails only its own transfer."""
+    from xfer.transports import onesided
+
+    sizes, real_single, real_batch = [], onesided.notify_peer, onesided.notify_peer_batch
+
+    def slow_single(job, sender):  # a slow first round trip lets the burst queue up behind it
+        time.sleep(0.05)
+        sizes.append(1)
+        return real_single(job, sender)
+
+    def batch(jobs, sender):
+        sizes.append(len(jobs))
+        return real_batch(jobs, sender)
+
+    monkeypatch.setattr(onesided, "notify_peer", slow_single)
+    monkeypatch.setattr(onesided, "notify_peer_batch", batch)
+    n = pair.la.num_blocks
+    ts = [pair.a.write(pair.peer, [i], [n - 1 - i], notify=b"note-%d" % i) for i in range(n)]
+    for t in ts:
+        t.wait()
+    assert sum(sizes) == n and max(sizes) > 1, sizes
+    notes = pair.b.notifications()
+    assert [x.payload for x in notes] == [b"note-%d" % i for i in range(n)]
+    assert [x.transfer_id for x in notes] == [t.id for t in ts]
+    assert [x.blocks.tolist() for x in notes] == [[n - 1 - i] for i in range(n)]
+    assert_blocks_equal(pair.la, pair.ta, list(range(n)), pair.lb, pair.tb, [n - 1 - i for i in range(n)])
+    # the peer's handler: a bad notice is refused alone, the good ones are delivered
+    header = {"type": "notify_batch", "from": "a", "batch": [
+        {"transfer_id": "x1", "op": "write", "region": "kv", "blocks": [0], "payload_bytes": 2},
+        {"transfer_id": "x2", "op": "write", "region": "nope", "blocks": [1], "payload_bytes": 0},
+        {"transfer_id": "x3", "op": "write", "region": "kv", "blocks": [n], "payload_bytes": 1},
+        {"transfer_id": "x4", "op": "read", "region": "kv", "blocks": [2], "payload_bytes": 1}]}
+    reply, _ = pair.b._handle(header, b"abcd")
+    assert reply["ok"] and set(reply["failed"]) == {"1", "2"}
+    assert reply["failed"]["1"]["error"] == "NotRegisteredError" and reply["failed"]["2"]["error"] == "BlockIdError"
+    assert [(x.transfer_id, x.payload) for x in pair.b.notifications()] == [("x1", b"ab"), ("x4", b"d")]
+    with pytest.raises(InvalidArgumentError, match="do not add up"):
+        pair.b._handle({**header, "batch": header["batch"][:1]}, b"abcd")

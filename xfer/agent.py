@@ -381,15 +381,27 @@ class Agent:
         if kind == "hello":
             return {"ok": True, "agent_id": self.agent_id, "name": self.name}, b""
         if kind == "notify":
-            region = self._regions.get(header.get("region"))
-            if region is None:
-                raise NotRegisteredError(f"agent {self.name!r} has no region {header.get('region')!r}")
-            op = Op(header.get("op"))
-            ids = region.layout.check_block_ids(np.asarray(header.get("blocks"), dtype=np.int64),
-                                                what="notified block ids", unique=op is Op.WRITE)
-            self._deliver(Notification(peer=str(header.get("from")), transfer_id=str(header.get("transfer_id")),
-                                       op=op, region=region.name, blocks=ids, payload=payload))
+            self._deliver(self._notification(header.get("from"), header, payload))
             return {"ok": True}, b""
+        if kind == "notify_batch":  # several transfers' notices at once: each stands or fails alone
+            entries = header.get("batch")
+            if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+                raise InvalidArgumentError("notify_batch carries no list of notices")
+            sizes = [e.get("payload_bytes") for e in entries]
+            if not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(payload):
+                raise InvalidArgumentError(f"notify_batch payload sizes {sizes} do not add up to {len(payload)} bytes")
+            notes, failed, off = [], {}, 0
+            for i, (entry, n) in enumerate(zip(entries, sizes)):
+                try:
+                    notes.append(self._notification(header.get("from"), entry, payload[off:off + n]))
+                except XferError as exc:
+                    failed[str(i)] = {"error": type(exc).__name__, "message": str(exc)}
+                except (TypeError, ValueError) as exc:
+                    failed[str(i)] = {"error": "InvalidArgumentError", "message": f"malformed notice: {exc}"}
+                off += n
+            for note in notes:
+                self._deliver(note)
+            return {"ok": True, "failed": failed}, b""
         if kind == "message":
             self._deliver(Notification(peer=str(header.get("from")), transfer_id="", op=Op.MESSAGE, region="",
                                        blocks=np.zeros(0, dtype=np.int64), payload=payload))
@@ -399,6 +411,17 @@ class Agent:
             if tkind.value == prefix:
                 return transport.handle_control(header, payload)
         return {"ok": False, "error": "InvalidArgumentError", "message": f"unknown control message {kind!r}"}, b""
+
+    def _notification(self, sender, entry: dict, payload: bytes) -> Notification:
+        """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes."""
+        region = self._regions.get(entry.get("region"))
+        if region is None:
+            raise NotRegisteredError(f"agent {self.name!r} has no region {entry.get('region')!r}")
+        op = Op(entry.get("op"))
+        ids = region.layout.check_block_ids(np.asarray(entry.get("blocks"), dtype=np.int64),
+                                            what="notified block ids", unique=op is Op.WRITE)
+        return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op, region=region.name,
+                            blocks=ids, payload=payload)
 
     def _deliver(self, note: Notification) -> None:
         with self._notes_cond:

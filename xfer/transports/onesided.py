@@ -18,11 +18,13 @@ from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError
 from ..shm import pid_alive
 from ..transfer import Op, TransferState
 from .base import Job, Transport
-from .notify import notify_peer
+from .notify import notify_peer, notify_peer_batch
 
 __all__ = ["OneSidedTransport"]
 
 _REQUESTABLE = ("triton", "copy_engine_batch", "copy_engine_2d")  # CopyPath values a copy may be asked for
+BATCH_MAX = 32  # transfers' notices in one control message
+_NOTHING = object()
 
 
 class OneSidedTransport(Transport):
@@ -125,28 +127,69 @@ class OneSidedTransport(Transport):
                 self._fail(job, exc)
 
     def _complete(self) -> None:
-        """Completer: wait for each job's last copy, then notify the peer and finish the transfer."""
+        """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
+        Jobs to the same peer whose copies have also ended by then go in the same message
+        (``notify_batch``): under load one round trip serves several transfers."""
+        carry = _NOTHING
         while True:
-            item = self._done.get()
+            item = self._done.get() if carry is _NOTHING else carry
+            carry = _NOTHING
             if item is None:
                 return
             job, event = item
-            t = job.transfer
-            try:
-                if event is not None:
-                    while not event.query():
-                        if t.cancel_requested:
-                            event.synchronize()  # the kernel may still write; let it land before reporting
-                            raise t.error
-                        time.sleep(20e-6)
-                if t.cancel_requested:
-                    raise t.error
-                t._mark("copied")
-                notify_peer(job, self.ctx.agent_name)
-                t._mark("acked")
-                t._finish(TransferState.DONE)
-            except BaseException as exc:  # noqa: BLE001
+            if not self._copied(job, event):
+                continue
+            batch = [job]
+            while len(batch) < BATCH_MAX and self._batches(job):
+                try:
+                    nxt = self._done.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or nxt[0].peer is not job.peer or (nxt[1] is not None and not nxt[1].query()):
+                    carry = nxt  # handled next, in order
+                    break
+                if self._copied(*nxt):
+                    batch.append(nxt[0])
+            self._notify(batch)
+
+    def _batches(self, job: Job) -> bool:
+        return bool((job.peer.metadata.transports.get(self.kind.value) or {}).get("notify_batch"))
+
+    def _copied(self, job: Job, event) -> bool:
+        """Wait for the job's copy (False: it failed or was cancelled, and is finished)."""
+        t = job.transfer
+        try:
+            if event is not None:
+                while not event.query():
+                    if t.cancel_requested:
+                        event.synchronize()  # the kernel may still write; let it land before reporting
+                        raise t.error
+                    time.sleep(20e-6)
+            if t.cancel_requested:
+                raise t.error
+            t._mark("copied")
+            return True
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(job, exc)
+            return False
+
+    def _notify(self, batch: list[Job]) -> None:
+        try:
+            if len(batch) == 1:
+                notify_peer(batch[0], self.ctx.agent_name)
+                refused = [None]
+            else:
+                refused = notify_peer_batch(batch, self.ctx.agent_name)
+        except BaseException as exc:  # noqa: BLE001
+            for job in batch:
                 self._fail(job, exc)
+            return
+        for job, error in zip(batch, refused):
+            job.transfer._mark("acked")
+            if error is None:
+                job.transfer._finish(TransferState.DONE)
+            else:
+                self._fail(job, error)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if isinstance(exc, TransferTimeoutError):
