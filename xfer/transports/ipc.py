@@ -73,7 +73,8 @@ class IpcTransport(OneSidedTransport):
         return None
 
     def info(self) -> dict:
-        return {"host_id": self.ctx.host_id, "pid": os.getpid(), "gpus": sorted(self._local_uuids), "notify_batch": True}
+        return {"host_id": self.ctx.host_id, "pid": os.getpid(), "gpus": sorted(self._local_uuids),
+                "notify_batch": True}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         if region.device.type != "cuda":
