@@ -52,8 +52,8 @@ from xfer.layout import KVLayout
 from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, slot_addresses, staging_tensor,
                         sides_touch, tensor_spans)
 
-__all__ = ["CopyPath", "select_path", "copy_blocks", "BoundCopy", "gather", "scatter", "swap_out", "swap_in",
-           "copy_table", "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
+__all__ = ["CopyPath", "select_path", "copy_blocks", "BoundCopy", "StagingCopies", "staging_layout", "gather",
+           "scatter", "swap_out", "swap_in", "copy_table", "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
 
 
 class CopyPath(enum.Enum):
@@ -313,10 +313,13 @@ def _forget_side(key, _ref) -> None:
     _SIDES.pop(key, None)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _staging(layout: KVLayout, n: int) -> KVLayout:
-    return layout.staging(n)  # building one checks every slot: ~0.1 ms for 128 slots
+    """``layout.staging(n)``, memoized: building one checks every slot (~0.1 ms for 128 slots)."""
+    return layout.staging(n)
 
+
+staging_layout = _staging  # public name (scatter's argument of that name shadows it there)
 
 class _KeepAliveEvent(torch.cuda.Event):
     """A CUDA event that also holds the copy's tensors and tables (``keep``) while it lives, and
@@ -461,6 +464,39 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
     event.keep = (src.tensors, dst.tensors, plan)
     event.path, event.reason = path, reason
     return event
+
+
+class StagingCopies:
+    """The bound copies between caches and the slots of a long-lived staging area (a transport's
+    ring), made on first use and kept by (slot bytes, layouts): a chunk's gather or scatter then
+    only uploads its ids, where a fresh view of the slot would be checked and tabled anew each
+    time. Each copy holds its slot view, so the slot's address stays its own; at most ``cap``."""
+
+    def __init__(self, cap: int = 256) -> None:
+        self.cap, self._copies = cap, {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def _get(self, key: tuple, make) -> "BoundCopy":
+        bound = self._copies.get(key)
+        if bound is None:
+            if len(self._copies) >= self.cap:
+                self._copies.clear()
+            bound = self._copies[key] = make()
+        return bound
+
+    def gather(self, layout: KVLayout, tensors: Sequence[torch.Tensor], staging: KVLayout,
+               buf: torch.Tensor) -> "BoundCopy":
+        """The copy from ``layout``'s blocks into ``buf`` laid out as ``staging`` (1-D, its exact bytes)."""
+        key = ("gather", buf.data_ptr(), buf.numel() * buf.element_size(), layout, staging)
+        return self._get(key, lambda: BoundCopy(layout, tensors, staging, [staging_tensor(buf, staging, what="out")]))
+
+    def scatter(self, staging: KVLayout, buf: torch.Tensor, layout: KVLayout,
+                tensors: Sequence[torch.Tensor]) -> "BoundCopy":
+        """The copy from ``buf`` laid out as ``staging`` onto ``layout``'s blocks."""
+        key = ("scatter", buf.data_ptr(), buf.numel() * buf.element_size(), layout, staging)
+        return self._get(key, lambda: BoundCopy(staging, [staging_tensor(buf, staging)], layout, tensors))
 
 
 class BoundCopy:

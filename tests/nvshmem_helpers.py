@@ -127,29 +127,25 @@ class FakeRuntime:
 
     # data
     def gather(self, stream, layout, tensors, ids, dst, role, seq, nbytes, bounds=None):
-        from xfer.kernels import gather
-        from xfer.transports.nvshmem_runtime import Runtime
+        from xfer.kernels import gather, staging_layout
 
         off = self.plan.position(dst, role, seq)
         if bounds is None:
             stream.put(lambda: gather(layout, tensors, ids, self.send[off:off + nbytes]))
             return
-        n = len(ids)  # the real runtime's binding of a staging position, run when the fake stream gets there
-        bound = Runtime._bound(bounds, ("gather", off, nbytes, layout), lambda: (
-            layout, tensors, layout.staging(n), [Runtime._staging_view(self.send, off, nbytes, layout.staging(n))]))
-        stream.put(lambda: bound.copy(ids, np.arange(n)))
+        # the real runtime's binding of a staging position, run when the fake stream gets there
+        bound = bounds.gather(layout, tensors, staging_layout(layout, len(ids)), self.send[off:off + nbytes])
+        stream.put(lambda: bound.copy(ids, np.arange(len(ids))))
 
     def scatter(self, stream, src, role, seq, nbytes, layout, tensors, ids, staging_layout, bounds=None):
         from xfer.kernels import scatter
-        from xfer.transports.nvshmem_runtime import Runtime
 
         off = self.plan.position(src, role, seq)
         if bounds is None:
             stream.put(lambda: scatter(self.recv[off:off + nbytes], layout, tensors, ids,
                                        staging_layout=staging_layout))
             return
-        bound = Runtime._bound(bounds, ("scatter", off, nbytes, layout, staging_layout), lambda: (
-            staging_layout, [Runtime._staging_view(self.recv, off, nbytes, staging_layout)], layout, tensors))
+        bound = bounds.scatter(staging_layout, self.recv[off:off + nbytes], layout, tensors)
         stream.put(lambda: bound.copy(np.arange(len(ids)), ids))
 
     def put_signal(self, stream, dst, role, seq, nbytes):

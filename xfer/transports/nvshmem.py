@@ -102,7 +102,7 @@ class NvshmemTransport(Transport):
         self._direct: _DirectPath | None = None
         self._views: dict[tuple[str, str], list | None] = {}
         self._lock = threading.Lock()
-        self._bounds: dict[int, dict] = {}  # id(local region) -> its staging copies (Runtime.gather/scatter)
+        self._bounds: dict[int, object] = {}  # id(local region) -> its StagingCopies (Runtime.gather/scatter)
 
     def __repr__(self) -> str:
         return f"NvshmemTransport({self.ctx.agent_name!r}, {self.rt!r}, stats={dict(self.stats)})"
@@ -275,10 +275,15 @@ class NvshmemTransport(Transport):
         """
         return self.rt.register_external(tensors)
 
-    def bounds_for(self, region) -> dict:
-        """The cache of ``region``'s copies to and from staging positions (dropped with the region)."""
+    def bounds_for(self, region):
+        """``region``'s copies to and from staging positions (``xfer.kernels.StagingCopies``,
+        dropped with the region)."""
+        from xfer.kernels import StagingCopies
+
         with self._lock:
-            return self._bounds.setdefault(id(region), {})
+            if id(region) not in self._bounds:
+                self._bounds[id(region)] = StagingCopies(cap=512)
+            return self._bounds[id(region)]
 
     # ---- life cycle ---------------------------------------------------------------------------------
     def release_region(self, region) -> None:

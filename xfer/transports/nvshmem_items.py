@@ -10,10 +10,10 @@ Lanes, flow control and draining: :mod:`~xfer.transports.nvshmem_lanes`.
 
 from __future__ import annotations
 
-import functools
 import time
 
 from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ..kernels import staging_layout
 from ..transfer import Notification, Op, TransferState
 from . import nvshmem_proto as proto
 from .notify import notify_peer, raise_remote
@@ -35,11 +35,6 @@ def _as_xfer_error(exc: BaseException, what: str) -> XferError:
     if isinstance(exc, XferError):
         return exc
     return TransportError(f"{what} failed: {exc!r}")
-
-
-@functools.lru_cache(maxsize=256)
-def _staging(layout, n: int):
-    return layout.staging(n)  # building one checks every slot: once per (layout, blocks)
 
 
 def _send_chunk(lane, item, k: int):
@@ -65,7 +60,7 @@ def _recv_chunk(lane, item, k: int):
     nbytes = (end - start) * item.layout.bytes_per_block
     rt.wait_data(lane.stream, lane.peer, lane.role, s, check=lambda: item.check(lane))
     keep = rt.scatter(lane.stream, lane.peer, lane.role, s, nbytes, item.layout, item.tensors, item.ids[start:end],
-                      _staging(item.sender_layout, end - start), item.bounds)
+                      staging_layout(item.sender_layout, end - start), item.bounds)
     rt.send_credit(lane.stream, lane.peer, lane.role, s)
     return keep
 

@@ -340,17 +340,15 @@ class Runtime:
         return event
 
     def gather(self, stream, layout, tensors, ids, dst: int, role: int, seq: int, nbytes: int, bounds=None):
-        """Blocks ``ids`` into my send position (dst, role, seq). ``bounds``: the region's cache of
-        copies bound to staging positions (see :meth:`_bound`); None: a plain ``gather``."""
-        from xfer.kernels import gather
+        """Blocks ``ids`` into my send position (dst, role, seq). ``bounds``: the region's
+        ``xfer.kernels.StagingCopies`` (the staging areas live as long as the PE); None: a plain gather."""
+        from xfer.kernels import gather, staging_layout
 
         off = self.plan.position(dst, role, seq)
         if bounds is None:
             return gather(layout, tensors, ids, self.send[off:off + nbytes], stream=stream)
         n = len(ids)
-        bound = self._bound(bounds, ("gather", off, nbytes, layout),
-                            lambda: (layout, tensors, layout.staging(n), [self._staging_view(self.send, off, nbytes,
-                                                                                             layout.staging(n))]))
+        bound = bounds.gather(layout, tensors, staging_layout(layout, n), self.send[off:off + nbytes])
         # the lane keeps the returned event (and through it the tensors) until the GPU is done
         return bound.copy(ids, np.arange(n, dtype=np.int64), stream=stream, record_stream=False)
 
@@ -363,30 +361,8 @@ class Runtime:
         if bounds is None:
             return scatter(self.recv[off:off + nbytes], layout, tensors, ids, staging_layout=staging_layout,
                            stream=stream)
-        bound = self._bound(bounds, ("scatter", off, nbytes, layout, staging_layout),
-                            lambda: (staging_layout, [self._staging_view(self.recv, off, nbytes, staging_layout)],
-                                     layout, tensors))
+        bound = bounds.scatter(staging_layout, self.recv[off:off + nbytes], layout, tensors)
         return bound.copy(np.arange(len(ids), dtype=np.int64), ids, stream=stream, record_stream=False)
-
-    @staticmethod
-    def _staging_view(area, off: int, nbytes: int, staging_layout):
-        from xfer.kernels.reference import staging_tensor
-
-        return staging_tensor(area[off:off + nbytes], staging_layout)
-
-    @staticmethod
-    def _bound(bounds: dict, key: tuple, sides):
-        """A copy between a region and one staging position, checked and tabled once: the
-        staging areas live as long as the PE, and a fresh view of a position each chunk would be
-        checked and tabled anew (host time that bounds the staged path)."""
-        bound = bounds.get(key)
-        if bound is None:
-            from xfer.kernels import BoundCopy
-
-            if len(bounds) >= 512:
-                bounds.clear()
-            bound = bounds[key] = BoundCopy(*sides())
-        return bound
 
     def put_signal(self, stream, dst: int, role: int, seq: int, nbytes: int) -> None:
         """My send position (dst, role, seq) -> dst's receive position (me, role, seq); dst's data word := seq."""

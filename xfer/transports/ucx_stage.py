@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from ..kernels import StagingCopies
+from ..kernels import staging_layout as kernel_staging_layout
 from ..layout import KVLayout
 
 __all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout",
@@ -93,7 +95,7 @@ def sub_layout(layout: KVLayout, l0: int, l1: int) -> KVLayout:
 @functools.lru_cache(maxsize=256)
 def staging_layout(layout: KVLayout, l0: int, l1: int, n: int) -> KVLayout:
     """The staging layout of ``n`` blocks of layers ``l0:l1`` of ``layout`` (a chunk's bytes)."""
-    return sub_layout(layout, l0, l1).staging(n)
+    return kernel_staging_layout(sub_layout(layout, l0, l1), n)
 
 
 class Slot:
@@ -174,7 +176,8 @@ class BlockCopier:
         # CUDA: every copy runs on ``stream`` and is waited for before the call returns, so the
         # tensors need no record_stream (one per base tensor a call: 100+ on a 64-layer cache)
         self._kw = {"stream": self.stream, "record_stream": False} if self.stream is not None else {}
-        self._bounds: dict[tuple, object] = {}  # see _bound
+        # the staging slots are long-lived: each (slot, chunk shape) copy is checked and tabled once
+        self._bounds = StagingCopies()
 
     @property
     def path(self) -> str:
@@ -220,37 +223,16 @@ class BlockCopier:
         wrows = self.span[1]
         wrows[self._index(ids, l0, l1)] = src.numpy().view(wrows.dtype)
 
-    def _bound(self, key: tuple, make):
-        """The checked copy between this region and one staging slot's bytes, made once: slots are
-        long-lived, so a chunk's copy finds its address tables on the device and only uploads its
-        ids (a fresh view of the slot each chunk would be checked and tabled anew: ~0.3 ms a
-        chunk on the H200 machine's CPU). The copy holds the slot view, so its address stays its."""
-        bound = self._bounds.get(key)
-        if bound is None:
-            if len(self._bounds) >= 256:
-                self._bounds.clear()
-            bound = self._bounds[key] = make()
-        return bound
-
     def _kernel_gather(self, ids, l0, l1, out) -> None:
-        from xfer.kernels import BoundCopy
-        from xfer.kernels.reference import staging_tensor
-
         n = len(ids)
-        sub, staging = sub_layout(self.layout, l0, l1), staging_layout(self.layout, l0, l1, n)
-        bound = self._bound(("gather", out.data_ptr(), out.numel() * out.element_size(), l0, l1, n),
-                            lambda: BoundCopy(sub, self.tensors, staging, [staging_tensor(out, staging, what="out")]))
+        staging = staging_layout(self.layout, l0, l1, n)
+        bound = self._bounds.gather(sub_layout(self.layout, l0, l1), self.tensors, staging, out)
         _wait(bound.copy(ids, _arange(n), **self._kw))
 
     def _kernel_scatter(self, src, ids, l0, l1, sender) -> None:
-        from xfer.kernels import BoundCopy
-        from xfer.kernels.reference import staging_tensor
-
-        n = len(ids)
-        sub, staging = sub_layout(self.layout, l0, l1), staging_layout(sender, l0, l1, n)
-        bound = self._bound(("scatter", src.data_ptr(), src.numel() * src.element_size(), l0, l1, n, sender),
-                            lambda: BoundCopy(staging, [staging_tensor(src, staging)], sub, self.tensors))
-        _wait(bound.copy(_arange(n), ids, **self._kw))
+        bound = self._bounds.scatter(staging_layout(sender, l0, l1, len(ids)), src, sub_layout(self.layout, l0, l1),
+                                     self.tensors)
+        _wait(bound.copy(_arange(len(ids)), ids, **self._kw))
 
 
 @functools.lru_cache(maxsize=64)
