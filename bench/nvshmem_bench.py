@@ -372,7 +372,8 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
             _say(f"{args.pes} PE{'s' if args.pes > 1 else ''} up "
                  f"({'both agents share PE 0: puts to itself' if one_pe else 'decode is PE 1'}), "
                  f"status {info['prefill'].get('status')}, chunk cap {tr.rt.plan.chunk_cap / 2**20:g} MiB, "
-                 f"chunk_bytes {agent.config.chunk_bytes / 2**20:g} MiB, NVSHMEM_SYMMETRIC_SIZE {heap}")
+                 f"chunk_bytes {agent.config.chunk_bytes / 2**20:g} MiB, NVSHMEM_SYMMETRIC_SIZE {heap}, "
+                 f"heap: {info['prefill'].get('heap')}")
             try:
                 nbytes, layout = _run_paths(agent, tr, decode, src, dst, args, dims, rows, paths)
                 info["stats"] = dict(tr.stats)

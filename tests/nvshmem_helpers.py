@@ -91,6 +91,7 @@ class FakeRuntime:
         self.fabric, self.group, self.host_id = fabric, group, host_id
         self.pe, self.size = group.rank, group.size
         self.device, self.status, self.session = torch.device("cpu"), "FAKE", fabric.session
+        self.heap = "fake"
         self.plan = StagingPlan(group.size, group.staging_bytes)
         self.recv = torch.zeros(self.plan.area_bytes, dtype=torch.uint8)
         self.send = torch.zeros(self.plan.area_bytes, dtype=torch.uint8)

@@ -205,6 +205,39 @@ def test_uid_exchange_through_the_store(store):
         bootstrap.fetch_uid(store, late, 0.2)
 
 
+def test_gpu_exchange_decides_the_heap_the_same_on_every_pe(store):
+    """Before init every PE says which GPU it uses; PEs sharing one get the static heap (NVSHMEM
+    3.4's growing heap left a peer chunk unmapped there), unless the user chose."""
+    gpus = [("h1", "GPU-a"), ("h1", "GPU-a"), ("h1", "GPU-b"), ("h2", "GPU-a")]
+    out = [None] * 4
+
+    def run(rank):
+        g = NvshmemGroup(store=store.endpoint, name="gx", rank=rank, size=4)
+        out[rank] = bootstrap.exchange_gpus(store, g, "s9", *gpus[rank], timeout=10)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+    [t.start() for t in threads]
+    [t.join(15) for t in threads]
+    assert out == [dict(enumerate(gpus))] * 4
+    shared = bootstrap.shared_gpus(out[0])
+    assert shared == [[0, 1]]  # same uuid on another host is another GPU
+    assert bootstrap.shared_gpus({0: ("h", "a"), 1: ("h", "b")}) == []
+    setting, why = bootstrap.heap_choice(shared, {})
+    assert setting == "1" and "static" in why and "ranks 0, 1" in why
+    assert bootstrap.heap_choice([], {}) == (None, "NVSHMEM's default heap")
+    setting, why = bootstrap.heap_choice(shared, {"NVSHMEM_DISABLE_CUDA_VMM": "0"})
+    assert setting is None and "set by the user" in why and "unmapped" in why
+    # a PE that never says: the others stop by the timeout, naming it
+    g = NvshmemGroup(store=store.endpoint, name="gy", rank=0, size=2)
+    start = time.monotonic()
+    with pytest.raises(TransportUnavailableError, match="rank 1 did not say which GPU it uses within 0.3 s"):
+        bootstrap.exchange_gpus(store, g, "s9", "h", "a", timeout=0.3)
+    assert time.monotonic() - start < 3
+    store.set("nvshmem/gz/s9/gpu/1", b"{not json")
+    g = NvshmemGroup(store=store.endpoint, name="gz", rank=0, size=2)
+    with pytest.raises(TransportUnavailableError, match="malformed GPU record of rank 1"):
+        bootstrap.exchange_gpus(store, g, "s9", "h", "a", timeout=2)
+
+
 def _agree(store, g, votes, timeout, delays=None):
     out = [None] * len(votes)
 

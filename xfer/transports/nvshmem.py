@@ -120,7 +120,7 @@ class NvshmemTransport(Transport):
         rt = self.rt
         return {"group": rt.group.name, "session": rt.session, "pe": rt.pe, "size": rt.size,
                 "host_id": self.ctx.host_id, "pid": os.getpid(), "device": str(rt.device), "status": rt.status,
-                "chunk_cap": rt.plan.chunk_cap}
+                "chunk_cap": rt.plan.chunk_cap, "heap": rt.heap}
 
     # ---- regions and routes -----------------------------------------------------------------------
     def export_region(self, region: LocalRegion) -> dict | None:

@@ -6,6 +6,7 @@ Keys (under the store's prefix):
                                               bytes and the 128-byte NVSHMEM unique id (removed by
                                               rank 0 once the group formed)
     nvshmem/<group>/<session>/joined          how many PEs reached ``nvshmem.core.init``
+    nvshmem/<group>/<session>/gpu/<rank>      each PE's host and GPU, before init (``exchange_gpus``)
     nvshmem/<group>/<session>/close/...       the bounded teardown agreement (``agree_to_finalize``)
 
 Group names must be unique per run (include a job id): a record left by a crashed rank 0 of an
@@ -21,7 +22,10 @@ import uuid
 
 from ..errors import StoreError, StoreTimeoutError, TransportUnavailableError
 
-__all__ = ["publish_uid", "fetch_uid", "uid_key", "mark_joined", "agree_to_finalize"]
+__all__ = ["publish_uid", "fetch_uid", "uid_key", "mark_joined", "exchange_gpus", "shared_gpus", "heap_choice",
+           "agree_to_finalize"]
+
+VMM_ENV = "NVSHMEM_DISABLE_CUDA_VMM"
 
 
 def uid_key(group) -> str:
@@ -67,6 +71,56 @@ def fetch_uid(store, group, timeout: float) -> tuple[str, bytes]:
 def mark_joined(store, group, session: str) -> int:
     """Count this PE in (for the message when init times out); returns the count so far."""
     return store.add(f"nvshmem/{group.name}/{session}/joined", 1)
+
+
+def exchange_gpus(store, group, session: str, host_id: str, gpu: str, timeout: float) -> dict[int, tuple[str, str]]:
+    """Publish this PE's (host, GPU uuid) and wait up to ``timeout`` s for every PE's: rank -> (host, gpu).
+
+    Before ``nvshmem.core.init`` (whose heap settings must agree on every PE): each PE decides
+    from the same records (:func:`heap_choice`)."""
+    prefix = f"nvshmem/{group.name}/{session}/gpu/"
+    store.set(prefix + str(group.rank), json.dumps([host_id, gpu]).encode())
+    out, end = {}, time.monotonic() + timeout
+    for rank in range(group.size):
+        try:
+            blob = store.get(prefix + str(rank), max(0.0, end - time.monotonic()))
+        except StoreTimeoutError:
+            raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank {rank} did not say which GPU it "
+                                            f"uses within {timeout:g} s (rank {group.rank} waited)") from None
+        try:
+            host, dev = json.loads(blob)
+            out[rank] = (str(host), str(dev))
+        except (ValueError, TypeError) as exc:
+            raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: malformed GPU record of rank {rank}: "
+                                            f"{exc!r}") from None
+    return out
+
+
+def shared_gpus(gpus: dict[int, tuple[str, str]]) -> list[list[int]]:
+    """Groups of ranks that share one GPU of one host (NVSHMEM's multiple PEs per GPU), sorted."""
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for rank, key in sorted(gpus.items()):
+        by_gpu.setdefault(key, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def heap_choice(shared: list[list[int]], environ) -> tuple[str | None, str]:
+    """The ``NVSHMEM_DISABLE_CUDA_VMM`` value to set before init (None: leave it) and what the heap is.
+
+    Where PEs share a GPU, NVSHMEM 3.4's growing (VMM) heap was seen leaving a chunk of one PE's
+    heap unmapped in the other (H200, two PEs, a 2.5 GiB heap: the third 512 MiB chunk): stores
+    to that peer then fault. The static heap (one ``cudaMalloc`` of ``NVSHMEM_SYMMETRIC_SIZE``,
+    mapped once at init) has no growth: it is chosen there unless the user set the variable."""
+    user = environ.get(VMM_ENV)
+    if not shared:
+        return None, "NVSHMEM's default heap" + (f" ({VMM_ENV}={user})" if user is not None else "")
+    who = "; ".join("ranks " + ", ".join(map(str, ranks)) for ranks in shared)
+    if user is not None:
+        return None, (f"{VMM_ENV}={user} as set by the user, with PEs sharing a GPU ({who})"
+                      + ("" if user.strip() not in ("0", "") else
+                         ": NVSHMEM 3.4's growing heap can leave peer chunks unmapped there"))
+    return "1", (f"static ({VMM_ENV}=1: PEs share a GPU ({who}), where NVSHMEM 3.4's growing heap left peer "
+                 f"chunks unmapped; NVSHMEM_SYMMETRIC_SIZE is reserved at init)")
 
 
 def joined(store, group, session: str) -> int:

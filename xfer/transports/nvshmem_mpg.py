@@ -28,7 +28,7 @@ import torch
 
 from ..errors import TransportError, TransportUnavailableError
 
-__all__ = ["MpgOps", "is_limited_mpg"]
+__all__ = ["MpgOps", "is_limited_mpg", "unmapped"]
 
 log = logging.getLogger("xfer.nvshmem")
 
@@ -37,6 +37,23 @@ LIMITED_MPG = 3  # NVSHMEM_STATUS_LIMITED_MPG
 
 def is_limited_mpg(status_name: str, status_value: int) -> bool:
     return "LIMITED_MPG" in status_name or status_value == LIMITED_MPG
+
+
+def unmapped(addr: int, nbytes: int = 1) -> str | None:
+    """Why the first or last byte of ``nbytes`` at ``addr`` (e.g. an ``nvshmem_ptr`` of a peer's
+    memory) is not device memory this process may touch, or None (also when the CUDA driver
+    bindings are missing: nothing to ask). The question Triton's launcher asks of pointers;
+    NVSHMEM 3.4's host ``nvshmem_ptr`` returns addresses in the peer's reserved range without it."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+    attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    for a in {addr, addr + max(1, nbytes) - 1}:
+        err, _ = cu.cuPointerGetAttribute(attr, a)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"0x{a:x} is not mapped in this process ({err.name})"
+    return None
 
 
 @functools.cache

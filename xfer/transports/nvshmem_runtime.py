@@ -37,7 +37,7 @@ from ..errors import InvalidArgumentError, StoreError, TransportError, Transport
 from ..store import open_store
 from . import nvshmem_bootstrap as bootstrap
 from .nvshmem_lanes import Lanes
-from .nvshmem_mpg import MpgOps, is_limited_mpg
+from .nvshmem_mpg import MpgOps, is_limited_mpg, unmapped
 from .nvshmem_proto import StagingPlan
 
 __all__ = ["Runtime", "acquire", "release", "CLOSE_TIMEOUT_S"]
@@ -185,6 +185,7 @@ class Runtime:
         self.plan = StagingPlan(group.size, group.staging_bytes)
         self.lock = threading.RLock()
         self.session, self.status = "", "unknown"
+        self.heap = "not set up"  # which symmetric heap NVSHMEM was told to use, and why
         self._mpg = None  # nvshmem_mpg.MpgOps when NVSHMEM runs in limited MPG mode
         self._self = SelfSignals()  # a self put's order, as events (see SelfSignals)
         self._limited_mpg = False
@@ -207,8 +208,8 @@ class Runtime:
             self.store.close()
             raise
         self.lanes = Lanes(self)
-        log.info("NVSHMEM PE %d of %d (group %r, session %s) on %s: %r, status %s", self.pe, self.size, group.name,
-                 self.session, self.device, self.plan, self.status)
+        log.info("NVSHMEM PE %d of %d (group %r, session %s) on %s: %r, status %s, heap: %s", self.pe, self.size,
+                 group.name, self.session, self.device, self.plan, self.status, self.heap)
 
     def __repr__(self) -> str:
         return (f"Runtime(pe={self.pe}/{self.size}, group={self.group.name!r}, session={self.session}, "
@@ -230,6 +231,12 @@ class Runtime:
                                                     f"nvshmem4py expects {view.size}")
                 view[:] = np.frombuffer(raw, dtype=np.int8)
             bootstrap.mark_joined(self.store, g, self.session)
+            gpus = bootstrap.exchange_gpus(self.store, g, self.session, self.host_id,
+                                           str(torch.cuda.get_device_properties(self.index).uuid),
+                                           max(1.0, g.init_timeout_s - (time.monotonic() - start)))
+            setting, self.heap = bootstrap.heap_choice(bootstrap.shared_gpus(gpus), os.environ)
+            if setting is not None:
+                os.environ[bootstrap.VMM_ENV] = setting  # read by nvshmem init, below
         except XferError as exc:
             if isinstance(exc, TransportUnavailableError):
                 raise
@@ -314,6 +321,25 @@ class Runtime:
         if self._limited_mpg:
             with torch.cuda.device(self.index):
                 self._mpg = MpgOps(words, timeout_s=self.group.init_timeout_s)
+            self._check_peer_mappings()
+
+    def _check_peer_mappings(self) -> None:
+        """Limited MPG: every peer's words and receive area must be mapped here (stores to them
+        come from this process), or the first transfer would fault; say so at start-up instead."""
+        wanted = [("signal words", self._data_ptr, 2 * self.plan.words * 8), ("receive area", self._recv_ptr,
+                                                                              self.plan.area_bytes)]
+        for pe in range(self.size):
+            if pe == self.pe:
+                continue
+            for what, addr, nbytes in wanted:
+                with self.lock:
+                    mapped = int(self._nvb.ptr(addr, pe) or 0)
+                why = unmapped(mapped, nbytes) if mapped else None  # NULL: not a P2P peer, not stored to
+                if why:
+                    raise TransportUnavailableError(
+                        f"NVSHMEM PE {pe}'s {what} (nvshmem_ptr {why}) is not reachable from PE {self.pe}, which "
+                        f"shares its GPU; heap: {self.heap}. Set NVSHMEM_DISABLE_CUDA_VMM=1 on every PE (static "
+                        f"heap) or give each PE its own GPU")
 
     def describe(self) -> str:
         """The signal words as they are now (a copy on a stream of its own, so it never waits
@@ -495,6 +521,10 @@ class Runtime:
             need = layout.tensor_numel[i] * layout.itemsize
             flat = self._own_bytes(ptr, need)  # this PE's own memory (a put to itself): no foreign Buffer
             if flat is None:
+                why = unmapped(ptr, need)
+                if why:  # a kernel storing there would fault and take this process's CUDA context with it
+                    raise TransportError(f"PE {pe}'s symmetric tensor {i} (nvshmem_ptr {why}) is not reachable "
+                                         f"from PE {self.pe}; heap: {self.heap}")
                 flat = torch.utils.dlpack.from_dlpack(Buffer.from_handle(ptr=ptr, size=need, mr=mr)).view(torch.uint8)
             views.append(flat.view(layout.dtype))
         return views
