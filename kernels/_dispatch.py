@@ -355,7 +355,8 @@ def _pair(copy, src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Si
     """The kernel tables between two checked sides, built once per (source, destination, device)."""
     key = (weakref.ref(dst), device)
     pair = src.pairs.get(key)
-    if pair is None or pair.src_layout != src_layout or pair.dst_layout != dst_layout:
+    if pair is None or (pair.src_layout is not src_layout and pair.src_layout != src_layout) or \
+            (pair.dst_layout is not dst_layout and pair.dst_layout != dst_layout):
         pair = copy.PairTables(src_layout, src.addresses, dst_layout, dst.addresses, device)
         if len(src.pairs) >= 8:
             src.pairs.clear()
@@ -421,11 +422,12 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
         with torch.cuda.device(stream.device_index) if other else contextlib.nullcontext():
             if wait_event is not None:
                 stream.wait_event(wait_event)
-            plan = _pair(copy, src_layout, src, dst_layout, dst, stream.device).plan(s_ids, d_ids, stream)
-            plan.launch(stream=stream)
+            pair = _pair(copy, src_layout, src, dst_layout, dst, stream.device)
+            entry, ids = pair.launch(s_ids, d_ids, stream)
             event = _KeepAliveEvent()
             event.record(stream)
-            plan.done(event)
+            pair.release(entry, event)
+            plan = ids  # held by the event below until the copy ended
     else:
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             if wait_event is not None:

@@ -197,6 +197,16 @@ class CopyPlan:
         """
         if self.n == 0:
             return
+        programs, warps, n_rows, consts, key = self.shape(tile_bytes, num_warps)
+        args = (self.table, self.ids, self.n, n_rows, *consts)
+        if self.interpret:
+            _kernel(True)[(programs,)](*args)
+        else:
+            _launch(programs, args, warps, self.device.index, stream, key)
+
+    def shape(self, tile_bytes: int | None = None, num_warps: int | None = None) -> tuple:
+        """(programs, num_warps, rows, the kernel's arguments after ``n_rows``, compiled-kernel key):
+        what a launch of ``n`` blocks needs besides the tables, shared through ``tiles``."""
         shape_key = (self.n, tile_bytes, num_warps)
         shape = None if self.tiles is None else self.tiles.get(shape_key)
         if shape is None:
@@ -213,12 +223,7 @@ class CopyPlan:
             shape = (programs, warps, n_rows, consts, key)
             if self.tiles is not None:
                 self.tiles[shape_key] = shape
-        programs, warps, n_rows, consts, key = shape
-        args = (self.table, self.ids, self.n, n_rows, *consts)
-        if self.interpret:
-            _kernel(True)[(programs,)](*args)
-        else:
-            _launch(programs, args, warps, self.device.index, stream, key)
+        return shape
 
 
 @functools.cache
@@ -282,15 +287,21 @@ class _IdsRing:
                 entry[2] = None
             if entry is None or entry[0].numel() < 2 * n:
                 size = max(256, triton.next_power_of_2(2 * n))
-                entry = self.entries[i] = [torch.empty(size, dtype=torch.int64, pin_memory=True),
-                                           torch.empty(size, dtype=torch.int64, device=self.device), None]
-            host = entry[0].numpy()
-            host[:n], host[n:2 * n] = src_ids, dst_ids
-            rc = memcpy(entry[1].data_ptr(), entry[0].data_ptr(), 16 * n, 1, stream.cuda_stream)  # 1: H2D
+                host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                dev = torch.empty(size, dtype=torch.int64, device=self.device)
+                # [pinned, device, event, pinned as numpy, addresses, device views by n]
+                entry = self.entries[i] = [host, dev, None, host.numpy(), (dev.data_ptr(), host.data_ptr()), {}]
+            host = entry[3]
+            host[:n] = src_ids
+            host[n:2 * n] = dst_ids
+            rc = memcpy(*entry[4], 16 * n, 1, stream.cuda_stream)  # 1: H2D
             if rc != 0:
                 raise RuntimeError(f"cudaMemcpyAsync of the block ids failed with error {rc}")
             entry[2] = _PENDING  # until the launch's event is set: not reusable
-            return entry[1][:2 * n], entry
+            view = entry[5].get(n)
+            if view is None:
+                view = entry[5][n] = entry[1][:2 * n]
+            return view, entry
         return None
 
 
@@ -308,7 +319,8 @@ class PairTables:
     already on the device. A repeat copy between the same caches then uploads only its ids
     (into reused buffers, on the copy's own stream) and reuses its launch shape."""
 
-    __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots", "tiles", "ring")
+    __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots", "tiles", "ring",
+                 "_memcpy")
 
     def __init__(self, src_layout: KVLayout, src_addr: np.ndarray, dst_layout: KVLayout, dst_addr: np.ndarray,
                  device: torch.device) -> None:
@@ -322,6 +334,47 @@ class PairTables:
         self.table = torch.from_numpy(addr.copy()).to(device)  # once per pair: a blocking upload is fine
         self.tiles: dict = {}
         self.ring = _IdsRing(device)
+        self._memcpy = None  # cudaMemcpyAsync, looked up on the first launch on a stream
+
+    def launch(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> tuple:
+        """Launch a copy of *validated* ids on ``stream``, the lean way a repeat copy between
+        long-lived caches takes: the ids go into a reused buffer by one ``cudaMemcpyAsync``, the
+        launch shape comes from ``tiles``, no plan object is built. Returns (ring entry, ids
+        tensor): give the entry to :meth:`release` with the launch's event, and keep the ids
+        tensor until that event completed."""
+        if SORT_BY_DESTINATION and len(dst_ids) > 1:
+            order = np.argsort(dst_ids)
+            src_ids, dst_ids = src_ids[order], dst_ids[order]
+        n = len(src_ids)
+        memcpy = self._memcpy
+        if memcpy is None:
+            from . import copy_engine
+
+            rt = copy_engine._runtime()
+            memcpy = self._memcpy = False if isinstance(rt, str) else rt.memcpy
+        hit = self.ring.upload(src_ids, dst_ids, stream, memcpy) if memcpy else None
+        if hit is None:  # every buffer busy (or no runtime): a fresh upload, kept by the caller
+            staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+            host = staged.numpy()
+            host[:n], host[n:] = src_ids, dst_ids
+            with torch.cuda.stream(stream):
+                ids = staged.to(self.device, non_blocking=True)
+            entry = None
+        else:
+            ids, entry = hit
+        shape = self.tiles.get((n, None, None))
+        if shape is None:
+            shape = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False,
+                             ids=ids, tiles=self.tiles).shape()
+        programs, warps, n_rows, consts, key = shape
+        _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
+        return entry, ids
+
+    @staticmethod
+    def release(entry, event) -> None:
+        """The ids buffer ``entry`` (from :meth:`launch`) may be reused once ``event`` completed."""
+        if entry is not None:
+            entry[2] = event
 
     def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream | None = None) -> CopyPlan:
         """A plan for *validated* ids: one small upload of the ids, on ``stream`` (None: the current

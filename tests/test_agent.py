@@ -348,3 +348,43 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
     assert [(x.transfer_id, x.payload) for x in pair.b.notifications()] == [("x1", b"ab"), ("x4", b"d")]
     with pytest.raises(InvalidArgumentError, match="do not add up"):
         pair.b._handle({**header, "batch": header["batch"][:1]}, b"abcd")
+
+
+def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair, monkeypatch):
+    """A copy queued on a stream is launched by the posting thread when nothing posted earlier
+    waits to launch; otherwise it queues behind, and launches stay in posting order (three writes
+    of one destination block from different sources: the last one's bytes are what remain)."""
+    from xfer.transports import onesided
+    from xfer.transports.local import LocalTransport
+
+    launched, gate, stream = [], threading.Event(), object()
+    real_launch = onesided.OneSidedTransport._launch
+
+    def launch(self, job):
+        if job.notify == b"held":
+            assert gate.wait(10)
+        launched.append((job.notify, threading.current_thread().name))
+        return real_launch(self, job)
+
+    monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
+    # CPU tensors with a stream: the copy still runs on the host (no CUDA side), at launch
+    monkeypatch.setattr(LocalTransport, "stream", lambda self, job: None if job.notify == b"held" else stream)
+    me = threading.current_thread().name
+    pair.a.write(pair.peer, [1], [1], notify=b"inline").wait()
+    assert launched == [(b"inline", me)]
+    held = pair.a.write(pair.peer, [2], [6], notify=b"held")  # a host copy: the worker's, held at launch
+    t0 = time.monotonic()
+    behind = [pair.a.write(pair.peer, [b], [6], notify=b"behind-%d" % b) for b in (3, 4)]
+    assert time.monotonic() - t0 < 1.0  # queued behind the held one: the posts did not wait for it
+    time.sleep(0.1)
+    assert [n for n, _ in launched] == [b"inline"] and not any(t.poll().terminal for t in [held, *behind])
+    gate.set()
+    for t in [held, *behind]:
+        t.wait()
+    assert [n for n, _ in launched] == [b"inline", b"held", b"behind-3", b"behind-4"]
+    assert all(th != me for _, th in launched[1:])  # the worker launched them, in order
+    assert_blocks_equal(pair.la, pair.ta, [1, 4], pair.lb, pair.tb, [1, 6])  # the last write of block 6 won
+    assert [n.payload for n in pair.b.notifications()] == [b"inline", b"held", b"behind-3", b"behind-4"]
+    pair.a.write(pair.peer, [5], [5], notify=b"again").wait()  # nothing queued: the poster launches again
+    assert launched[-1] == (b"again", me)
+    assert_untouched(pair.lb, pair.tb, [1, 5, 6])

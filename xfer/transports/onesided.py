@@ -1,8 +1,13 @@
-"""Shared machinery of the one-sided transports (``local``, ``ipc``): the initiator maps the
-peer's base tensors once, runs ``copy_blocks`` between them in chunks on a worker thread
-(checking the deadline, cancellation and the peer's liveness between chunks), then notifies the
+"""Shared machinery of the one-sided transports (``local``, ``ipc``, NVSHMEM's direct path): the
+initiator maps the peer's base tensors once, runs ``copy_blocks`` between them, then notifies the
 peer over the control channel and completes when the peer acknowledges. The peer is never told
-about blocks that were not fully written."""
+about blocks that were not fully written.
+
+Copies queued on a CUDA stream are launched by the posting thread itself when nothing posted
+earlier is still waiting to launch (a launch is asynchronous and takes ~0.1 ms of host time;
+handing it to a thread costs a wake-up and, under load, the GIL); otherwise, and for copies
+that run on the host in chunks (checking the deadline, cancellation and the peer's liveness
+between chunks), a worker thread launches them in posting order."""
 
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ class OneSidedTransport(Transport):
         # (peer agent id, peer region, id of the local region, op) -> (local region, xfer.kernels.BoundCopy)
         self._bound: dict[tuple, tuple] = {}
         self._closed = False
+        self._order = threading.Lock()  # held while a job launches: launches keep posting order
+        self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
@@ -62,10 +69,22 @@ class OneSidedTransport(Transport):
         return None
 
     def post(self, job: Job) -> None:
-        if self._closed:
-            job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
-            return
-        self._jobs.put(job)
+        with self._order:
+            if self._closed:
+                job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
+                return
+            if self._queued == 0 and self._launches_async(job):
+                self._start(job)  # on this thread: nothing posted earlier waits to launch
+                return
+            self._queued += 1
+            self._jobs.put(job)
+
+    def _launches_async(self, job: Job) -> bool:
+        """Whether the job's copy is queued on a stream (a launch returns at once) rather than run here."""
+        try:
+            return self.stream(job) is not None
+        except Exception:  # noqa: BLE001 - the worker reports it with the transfer
+            return False
 
     def disconnect(self, peer_agent_id: str) -> None:
         for key in [k for k in self._mapped if k[0] == peer_agent_id]:
@@ -78,9 +97,10 @@ class OneSidedTransport(Transport):
             self._bound.pop(key, None)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._order:  # a launch on a posting thread ends (its job reaches the completer) first
+            if self._closed:
+                return
+            self._closed = True
         self._jobs.put(None)
         self._worker.join(timeout=10)
         self._completer.join(timeout=10)
@@ -115,16 +135,27 @@ class OneSidedTransport(Transport):
             if job is None:
                 self._done.put(None)
                 return
-            if job.transfer.poll().terminal:
-                continue
-            job.transfer._start()
-            job.transfer._mark("started")
-            try:
-                event = self._launch(job)
-                job.transfer._mark("launched")
-                self._done.put((job, event))
-            except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
-                self._fail(job, exc)
+            if self._launches_async(job):
+                with self._order:
+                    self._queued -= 1
+                    self._start(job)
+            else:  # a copy on this thread may take long: posts queue behind it without waiting for it
+                self._start(job)
+                with self._order:
+                    self._queued -= 1
+
+    def _start(self, job: Job) -> None:
+        """Launch the job's copies (under ``_order``) and hand it to the completer."""
+        if job.transfer.poll().terminal:
+            return
+        job.transfer._start()
+        job.transfer._mark("started")
+        try:
+            event = self._launch(job)
+            job.transfer._mark("launched")
+            self._done.put((job, event))
+        except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
+            self._fail(job, exc)
 
     def _complete(self) -> None:
         """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
