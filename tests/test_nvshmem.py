@@ -188,21 +188,35 @@ def test_uid_exchange_through_the_store(store):
     g1 = NvshmemGroup(store=store.endpoint, name="job1", rank=1, size=2, staging_bytes=1 << 20)
     uid = bytes(range(128))
     got = []
-    t = threading.Thread(target=lambda: got.append(bootstrap.fetch_uid(store, g1, 10)))
+
+    def rank1():
+        session = bootstrap.fetch_session(store, g1, 10)
+        got.append((session, bootstrap.fetch_uid(store, g1, session, 10)))
+    t = threading.Thread(target=rank1)
     t.start()
     time.sleep(0.2)
-    session = bootstrap.publish_uid(store, g0, uid)
+    session = bootstrap.publish_session(store, g0)
+    time.sleep(0.1)  # rank 1 has the session and waits for the id (rank 0 makes it after the GPU exchange)
+    bootstrap.publish_uid(store, g0, session, uid)
     t.join(10)
     assert got == [(session, uid)]
     bad = NvshmemGroup(store=store.endpoint, name="job1", rank=1, size=3, staging_bytes=1 << 20)
     with pytest.raises(TransportUnavailableError, match="rank 0 has size 2, rank 1 was configured with size 3"):
-        bootstrap.fetch_uid(store, bad, 1)
+        bootstrap.fetch_session(store, bad, 1)
     bad = NvshmemGroup(store=store.endpoint, name="job1", rank=1, size=2, staging_bytes=2 << 20)
     with pytest.raises(TransportUnavailableError, match="staging_bytes"):
-        bootstrap.fetch_uid(store, bad, 1)
-    late = NvshmemGroup(store=store.endpoint, name="job2", rank=1, size=2)
+        bootstrap.fetch_session(store, bad, 1)
+    bootstrap.forget(store, g0, session)  # once the group formed: a later rank 1 waits for a new session
+    with pytest.raises(TransportUnavailableError, match="did not publish the session .* within 0.2 s"):
+        bootstrap.fetch_session(store, g1, 0.2)
     with pytest.raises(TransportUnavailableError, match="did not publish the unique id .* within 0.2 s"):
-        bootstrap.fetch_uid(store, late, 0.2)
+        bootstrap.fetch_uid(store, g1, session, 0.2)
+    store.set("nvshmem/job3/uid", b"[1, 2]")
+    with pytest.raises(TransportUnavailableError, match="malformed session record"):
+        bootstrap.fetch_session(store, NvshmemGroup(store=store.endpoint, name="job3", rank=1, size=2), 1)
+    store.set("nvshmem/job3/s1/uid", b"not base64!")
+    with pytest.raises(TransportUnavailableError, match="malformed unique id"):
+        bootstrap.fetch_uid(store, NvshmemGroup(store=store.endpoint, name="job3", rank=1, size=2), "s1", 1)
 
 
 def test_gpu_exchange_decides_the_heap_the_same_on_every_pe(store):

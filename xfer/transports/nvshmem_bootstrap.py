@@ -3,8 +3,8 @@
 Keys (under the store's prefix):
 
     nvshmem/<group>/uid                       rank 0's record: session id, group size, staging
-                                              bytes and the 128-byte NVSHMEM unique id (removed by
-                                              rank 0 once the group formed)
+                                              bytes (removed by rank 0 once the group formed)
+    nvshmem/<group>/<session>/uid             the 128-byte NVSHMEM unique id, base64 (removed too)
     nvshmem/<group>/<session>/joined          how many PEs reached ``nvshmem.core.init``
     nvshmem/<group>/<session>/gpu/<rank>      each PE's host and GPU, before init (``exchange_gpus``)
     nvshmem/<group>/<session>/close/...       the bounded teardown agreement (``agree_to_finalize``)
@@ -22,27 +22,29 @@ import uuid
 
 from ..errors import StoreError, StoreTimeoutError, TransportUnavailableError
 
-__all__ = ["publish_uid", "fetch_uid", "uid_key", "mark_joined", "exchange_gpus", "shared_gpus", "heap_choice",
-           "agree_to_finalize"]
+__all__ = ["publish_session", "fetch_session", "publish_uid", "fetch_uid", "forget", "uid_key", "mark_joined",
+           "exchange_gpus", "shared_gpus", "heap_choice", "agree_to_finalize"]
 
 VMM_ENV = "NVSHMEM_DISABLE_CUDA_VMM"
 
 
 def uid_key(group) -> str:
+    """The key of rank 0's session record."""
     return f"nvshmem/{group.name}/uid"
 
 
-def publish_uid(store, group, uid: bytes) -> str:
-    """Rank 0: publish a new session and ``uid``; returns the session id."""
+def publish_session(store, group) -> str:
+    """Rank 0: publish a new session (group size, staging bytes); returns its id. The unique id
+    follows (:func:`publish_uid`) once every PE has said which GPU it uses: NVSHMEM reads its
+    heap settings on the first call, so no PE may make one before the heap is decided."""
     session = uuid.uuid4().hex[:16]
-    record = {"session": session, "size": group.size, "staging_bytes": group.staging_bytes,
-              "uid": base64.b64encode(uid).decode()}
+    record = {"session": session, "size": group.size, "staging_bytes": group.staging_bytes}
     store.set(uid_key(group), json.dumps(record).encode())
     return session
 
 
-def fetch_uid(store, group, timeout: float) -> tuple[str, bytes]:
-    """Ranks > 0: wait up to ``timeout`` s for rank 0's record; returns (session, uid).
+def fetch_session(store, group, timeout: float) -> str:
+    """Ranks > 0: wait up to ``timeout`` s for rank 0's session record; returns the session id.
 
     Raises :class:`TransportUnavailableError` naming what differs when rank 0 was configured
     with another group size or staging size (symmetric allocations must match on every PE).
@@ -50,14 +52,13 @@ def fetch_uid(store, group, timeout: float) -> tuple[str, bytes]:
     try:
         blob = store.get(uid_key(group), timeout)
     except StoreTimeoutError:
-        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 did not publish the unique id in "
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 did not publish the session in "
                                         f"store {store.endpoint} within {timeout:g} s") from None
     try:
         record = json.loads(blob)
         session, size, staging = record["session"], record["size"], record["staging_bytes"]
-        uid = base64.b64decode(record["uid"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: malformed unique-id record in store "
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: malformed session record in store "
                                         f"{store.endpoint}: {exc!r}") from None
     if size != group.size:
         raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 has size {size}, rank {group.rank} "
@@ -65,7 +66,32 @@ def fetch_uid(store, group, timeout: float) -> tuple[str, bytes]:
     if staging != group.staging_bytes:
         raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 has staging_bytes {staging}, rank "
                                         f"{group.rank} has {group.staging_bytes}; they must match")
-    return str(session), uid
+    return str(session)
+
+
+def publish_uid(store, group, session: str, uid: bytes) -> None:
+    """Rank 0: the session's NVSHMEM unique id."""
+    store.set(f"nvshmem/{group.name}/{session}/uid", base64.b64encode(uid))
+
+
+def fetch_uid(store, group, session: str, timeout: float) -> bytes:
+    """Ranks > 0: wait up to ``timeout`` s for the session's unique id."""
+    try:
+        blob = store.get(f"nvshmem/{group.name}/{session}/uid", timeout)
+    except StoreTimeoutError:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: rank 0 did not publish the unique id in "
+                                        f"store {store.endpoint} within {timeout:g} s") from None
+    try:
+        return base64.b64decode(blob, validate=True)
+    except ValueError as exc:
+        raise TransportUnavailableError(f"NVSHMEM group {group.name!r}: malformed unique id in store "
+                                        f"{store.endpoint}: {exc!r}") from None
+
+
+def forget(store, group, session: str) -> None:
+    """Rank 0, once the group formed: every PE has read the records; a later group must not."""
+    store.delete(uid_key(group))
+    store.delete(f"nvshmem/{group.name}/{session}/uid")
 
 
 def mark_joined(store, group, session: str) -> int:

@@ -219,11 +219,24 @@ class Runtime:
     def _bootstrap(self, device) -> None:
         nvc, g, start = self._nvc, self.group, time.monotonic()
         try:
+            # the session, then every PE's GPU, then the heap setting, and only then NVSHMEM calls:
+            # NVSHMEM reads its settings on the first call (get_unique_id), and they must agree
+            if g.rank == 0:
+                self.session = bootstrap.publish_session(self.store, g)
+            else:
+                self.session = bootstrap.fetch_session(self.store, g, g.init_timeout_s)
+            gpus = bootstrap.exchange_gpus(self.store, g, self.session, self.host_id,
+                                           str(torch.cuda.get_device_properties(self.index).uuid),
+                                           max(1.0, g.init_timeout_s - (time.monotonic() - start)))
+            setting, self.heap = bootstrap.heap_choice(bootstrap.shared_gpus(gpus), os.environ)
+            if setting is not None:
+                os.environ[bootstrap.VMM_ENV] = setting
             if g.rank == 0:
                 uid = nvc.get_unique_id()
-                self.session = bootstrap.publish_uid(self.store, g, uid._data.view(np.int8).tobytes())
+                bootstrap.publish_uid(self.store, g, self.session, uid._data.view(np.int8).tobytes())
             else:
-                self.session, raw = bootstrap.fetch_uid(self.store, g, g.init_timeout_s)
+                raw = bootstrap.fetch_uid(self.store, g, self.session,
+                                          max(1.0, g.init_timeout_s - (time.monotonic() - start)))
                 uid = nvc.get_unique_id(empty=True)
                 view = uid._data.view(np.int8)
                 if len(raw) != view.size:
@@ -231,12 +244,6 @@ class Runtime:
                                                     f"nvshmem4py expects {view.size}")
                 view[:] = np.frombuffer(raw, dtype=np.int8)
             bootstrap.mark_joined(self.store, g, self.session)
-            gpus = bootstrap.exchange_gpus(self.store, g, self.session, self.host_id,
-                                           str(torch.cuda.get_device_properties(self.index).uuid),
-                                           max(1.0, g.init_timeout_s - (time.monotonic() - start)))
-            setting, self.heap = bootstrap.heap_choice(bootstrap.shared_gpus(gpus), os.environ)
-            if setting is not None:
-                os.environ[bootstrap.VMM_ENV] = setting  # read by nvshmem init, below
         except XferError as exc:
             if isinstance(exc, TransportUnavailableError):
                 raise
@@ -278,7 +285,7 @@ class Runtime:
         self._limited_mpg = is_limited_mpg(self.status, status)
         if g.rank == 0:
             try:  # every PE has read it (init is collective); a later group must not read a stale id
-                self.store.delete(bootstrap.uid_key(g))
+                bootstrap.forget(self.store, g, self.session)
             except XferError:
                 pass
 
