@@ -49,8 +49,8 @@ import torch
 from xfer.errors import InvalidArgumentError, TransportUnavailableError
 from xfer.layout import KVLayout
 
-from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, slot_addresses, staging_tensor,
-                        sides_touch, tensor_spans)
+from .reference import (apply_copy_ref, check_ids, check_overlap, empty_staging, host_run_views, sides_touch,
+                        slot_addresses, staging_tensor, tensor_spans)
 
 __all__ = ["CopyPath", "select_path", "copy_blocks", "BoundCopy", "StagingCopies", "staging_layout", "gather",
            "scatter", "swap_out", "swap_in", "copy_table", "set_copy_table", "DEFAULT_COPY_TABLE", "COPY_REQUESTS"]
@@ -364,6 +364,18 @@ def _pair(copy, src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Si
     return pair
 
 
+def _ref_views(src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Side):
+    """The host copy's numpy views between two checked cached sides, built once (None off the host)."""
+    key = ("host views", weakref.ref(dst))
+    hit = src.pairs.get(key)
+    if hit is None or hit[0] is not src_layout or hit[1] is not dst_layout:
+        hit = (src_layout, dst_layout, host_run_views(src_layout, src.tensors, dst_layout, dst.tensors))
+        if len(src.pairs) >= 8:
+            src.pairs.clear()
+        src.pairs[key] = hit
+    return hit[2]
+
+
 def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_ids,
                 dst_layout: KVLayout, dst_tensors: Sequence[torch.Tensor], dst_ids, *,
                 stream: torch.cuda.Stream | None = None,
@@ -404,7 +416,8 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
         if wait_event is not None:
             wait_event.synchronize()
         if path is CopyPath.TORCH_REFERENCE:
-            apply_copy_ref(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids)
+            views = _ref_views(src_layout, src, dst_layout, dst) if src.cached and dst.cached else None
+            apply_copy_ref(src_layout, src.tensors, s_ids, dst_layout, dst.tensors, d_ids, views=views)
         elif s_ids.size:
             from . import copy  # imports triton
             copy.prepare(src_layout, src.addresses, s_ids, dst_layout, dst.addresses, d_ids,

@@ -52,6 +52,9 @@ class OneSidedTransport(Transport):
         self._closed = False
         self._order = threading.Lock()  # held while a job launches: launches keep posting order
         self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
+        # XFER_LAUNCH_INLINE=0: every launch goes through the worker thread (the posting thread
+        # then never runs a launch, e.g. one that opens a new peer's IPC handles)
+        self._inline = os.environ.get("XFER_LAUNCH_INLINE", "1").strip().lower() not in ("0", "false", "off", "no")
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
@@ -73,7 +76,7 @@ class OneSidedTransport(Transport):
             if self._closed:
                 job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
                 return
-            if self._queued == 0 and self._launches_async(job):
+            if self._inline and self._queued == 0 and self._launches_async(job):
                 self._start(job)  # on this thread: nothing posted earlier waits to launch
                 return
             self._queued += 1
