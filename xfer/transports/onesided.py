@@ -50,7 +50,7 @@ class OneSidedTransport(Transport):
         # (peer agent id, peer region, id of the local region, op) -> (local region, xfer.kernels.BoundCopy)
         self._bound: dict[tuple, tuple] = {}
         self._closed = False
-        self._order = threading.Lock()  # held while a job launches: launches keep posting order
+        self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
         self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
         # XFER_LAUNCH_INLINE=0: every launch goes through the worker thread (the posting thread
         # then never runs a launch, e.g. one that opens a new peer's IPC handles)
@@ -148,7 +148,7 @@ class OneSidedTransport(Transport):
                     self._queued -= 1
 
     def _start(self, job: Job) -> None:
-        """Launch the job's copies (under ``_order``) and hand it to the completer."""
+        """Launch the job's copies and hand it to the completer (a stream launch holds ``_order``)."""
         if job.transfer.poll().terminal:
             return
         job.transfer._start()
