@@ -307,6 +307,8 @@ def _main(conn, kind: str, dims: dict, device: str) -> None:
                 conn.send((block_digests(layout, tensors, ids), untouched(layout, tensors, ids)))
             elif cmd == "drain":
                 conn.send(len(agent.notifications()))
+            elif cmd == "received":  # transfer id -> when its notification arrived (time.monotonic, host-wide)
+                conn.send({n.transfer_id: n.received for n in agent.notifications()})
 
 
 class Target:
