@@ -535,6 +535,23 @@ class BoundCopy:
         """The path a copy takes for the request ``path`` (see the module doc), and why."""
         return _choose(self.src.where, self.dst.where, slice_bytes(self.src_layout, self.dst_layout), path)
 
+    def preload(self, n: int, stream: torch.cuda.Stream | None = None) -> bool:
+        """Have the kernel a default-path copy of ``n`` blocks launches run once in this process (a
+        launch that moves nothing, on ``stream``, the first time; nothing on the copy engines or
+        the host). For callers about to queue a stream wait that only this process's later work
+        releases: CUDA may synchronize the whole context to load a kernel on its first launch
+        (lazy loading), which then never returns. True if it launched."""
+        if n <= 0 or not self.src.cached or not self.dst.cached or \
+                self.select_path(None)[0] is not CopyPath.TRITON:
+            return False
+        from . import copy  # imports triton
+
+        stream = torch.cuda.current_stream() if stream is None else stream
+        other = stream.device_index != torch.cuda.current_device()
+        with torch.cuda.device(stream.device_index) if other else contextlib.nullcontext():
+            pair = _pair(copy, self.src_layout, self.src, self.dst_layout, self.dst, stream.device)
+            return pair.preload(n, stream)
+
     def copy(self, src_ids, dst_ids, *, stream: torch.cuda.Stream | None = None,
              wait_event: torch.cuda.Event | None = None, path=None, record_stream: bool = True,
              checked: bool = False) -> torch.cuda.Event | None:

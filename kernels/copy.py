@@ -370,6 +370,26 @@ class PairTables:
         _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
         return entry, ids
 
+    def preload(self, n: int, stream: torch.cuda.Stream) -> bool:
+        """Make sure the kernel a copy of ``n`` blocks between these sides launches has run once in
+        this process: the first time, one launch on ``stream`` that moves nothing. True if it launched.
+
+        CUDA may synchronize the whole context to load a kernel on its first launch (lazy loading);
+        were a stream of this process then waiting on memory that only later work of this process
+        sets (an NVSHMEM signal wait its own drain releases), that first launch would never return."""
+        shape = self.tiles.get((n, None, None))
+        if shape is None:
+            shape = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False,
+                             ids=self.table, tiles=self.tiles).shape()
+        programs, warps, n_rows, consts, key = shape
+        if key in _COMPILED:
+            return False
+        ids = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+        ids.record_stream(stream)
+        # n_rows 0: every row is masked off; only the tables' first words are read
+        _launch(1, (self.table, ids, n, 0, *consts), warps, self.device.index, stream, key)
+        return True
+
     @staticmethod
     def release(entry, event) -> None:
         """The ids buffer ``entry`` (from :meth:`launch`) may be reused once ``event`` completed."""

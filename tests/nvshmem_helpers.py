@@ -92,6 +92,7 @@ class FakeRuntime:
         self.pe, self.size = group.rank, group.size
         self.device, self.status, self.session = torch.device("cpu"), "FAKE", fabric.session
         self.heap = "fake"
+        self.preloaded: list[tuple[str, int]] = []
         self.plan = StagingPlan(group.size, group.staging_bytes)
         self.recv = torch.zeros(self.plan.area_bytes, dtype=torch.uint8)
         self.send = torch.zeros(self.plan.area_bytes, dtype=torch.uint8)
@@ -148,6 +149,9 @@ class FakeRuntime:
             return
         bound = bounds.scatter(staging_layout, self.recv[off:off + nbytes], layout, tensors)
         stream.put(lambda: bound.copy(np.arange(len(ids)), ids))
+
+    def preload(self, stream, sending, peer, role, seq, layout, tensors, n, bounds=None, sender_layout=None):
+        self.preloaded.append(("gather" if sending else "scatter", n))  # host copies: no kernel to load
 
     def put_signal(self, stream, dst, role, seq, nbytes):
         peer, p = self.fabric.pes[dst], self.plan

@@ -112,6 +112,26 @@ def test_bound_copy_checks_once_and_moves_exact_bytes(interpret, kind):
     check_moved(sl, src, [4, 0, 2], dl, dst, [1, 6, 3])  # refused copies moved nothing
     with pytest.raises(LayoutMismatchError):
         BoundCopy(sl, src, cache(LayoutKind.MLA)[1], cache(LayoutKind.MLA)[0])
+    assert bound.preload(3) is False  # no kernel module to load off the GPU
+
+
+@gpu
+@needs_cuda
+def test_gpu_bound_copy_preload_moves_nothing_then_copies():
+    """A preload runs a launch shape's kernel once, moving no byte; the copy after it is exact."""
+    from xfer.kernels import BoundCopy
+    src, sl = seed_cache(blocks=16)
+    dst, dl = seed_cache(blocks=16, fill="poison")
+    bound = BoundCopy(sl, src, dl, dst)
+    n = 5  # a block count no other test copies: its launch shape is new to this process
+    stream = torch.cuda.Stream()
+    assert bound.preload(n, stream) is True
+    assert bound.preload(n, stream) is False  # once per process
+    stream.synchronize()
+    check_moved(sl, src, [], dl, dst, [])  # every destination byte still poisoned
+    ev = bound.copy([9, 1, 3, 15, 0], [2, 4, 6, 8, 10], stream=stream)
+    ev.synchronize()
+    check_moved(sl, src, [9, 1, 3, 15, 0], dl, dst, [2, 4, 6, 8, 10])
 
 
 @pytest.mark.parametrize("kind", list(LayoutKind), ids=lambda k: k.value)

@@ -331,6 +331,9 @@ def test_write_and_read_byte_exact_across_physical_orders(monkeypatch):
         assert_untouched(pl, pt, p_dst)
         assert p.transports[TransportKind.NVSHMEM].stats == {"staged_write": 1, "staged_read": 1}
         assert d.transports[TransportKind.NVSHMEM].stats == {"received_write": 1, "served_read": 1}
+        # each item had its chunks' copy kernel run once before its first wait (one block a chunk)
+        assert fabric.pes[0].preloaded == [("gather", 1), ("scatter", 1)]
+        assert fabric.pes[1].preloaded == [("scatter", 1), ("gather", 1)]
     finally:
         close_all([p, d])
 

@@ -65,8 +65,21 @@ def _recv_chunk(lane, item, k: int):
     return keep
 
 
+def _preload(lane, item, sending: bool) -> None:
+    """Before the item's first wait is queued: its chunks' copy kernels (full and last chunk)
+    have run once in this process (see ``Runtime.preload``)."""
+    if item.plan.chunks == 0:
+        return
+    sizes = {end - start for start, end in (item.plan.bounds(k) for k in {0, item.plan.chunks - 1})}
+    for n in sorted(sizes):
+        lane.enqueue(lambda n=n: lane.rt.preload(lane.stream, sending, lane.peer, lane.role, item.seq0, item.layout,
+                                                 item.tensors, n, item.bounds,
+                                                 None if sending else item.sender_layout))
+
+
 def _send_all(lane, item) -> None:
     """Queue every chunk of a sending item and wait until the receiver has scattered the last."""
+    _preload(lane, item, True)
     lane.enqueue(lambda: lane.rt.set_own_credit(lane.stream, lane.peer, lane.role, item.seq0 - 1))
     item.keep = lane.pump(item, item.plan.chunks, lambda k: _send_chunk(lane, item, k))
     done = lane.enqueue(lambda: (lane.rt.wait_credit(lane.stream, lane.peer, lane.role, item.last,
@@ -76,6 +89,7 @@ def _send_all(lane, item) -> None:
 
 
 def _recv_all(lane, item) -> None:
+    _preload(lane, item, False)
     item.keep = lane.pump(item, item.plan.chunks, lambda k: _recv_chunk(lane, item, k))
     lane.wait_event(item, item.keep[-1][0])
 

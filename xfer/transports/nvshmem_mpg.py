@@ -61,7 +61,8 @@ def _spin_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["value"])
+    # one compiled variant whatever the word's alignment: preloaded once (MpgOps), never loaded behind a wait
+    @triton.jit(do_not_specialize=["value"], do_not_specialize_on_alignment=["word_ptr"])
     def wait_geq(word_ptr, value):
         seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
         while seen < value:
@@ -75,7 +76,7 @@ def _set_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["value"])
+    @triton.jit(do_not_specialize=["value"], do_not_specialize_on_alignment=["word_ptr"])
     def set_word(word_ptr, value):
         tl.atomic_xchg(word_ptr, value, sem="release", scope="sys")
 
@@ -114,8 +115,27 @@ class MpgOps:
                 log.info("NVSHMEM limited MPG: cuStreamWaitValue64 unusable on the symmetric heap (%s); "
                          "waits spin in a one-warp kernel", err)
                 self.mode = "kernel"
+        self._preload(timeout_s)
         log.info("NVSHMEM in limited MPG mode: signal waits by %s",
                  "cuStreamWaitValue64" if self.mode == "memop" else "a spinning one-warp kernel")
+
+    def _preload(self, timeout_s: float) -> None:
+        """Run the store kernel (and the spin kernel) once now, on the scratch word (already 1):
+        their first launch may synchronize the context (CUDA lazy loading), which must not happen
+        behind a signal wait that only this process's later work releases."""
+        scratch = self.words[-1:]
+        stream = torch.cuda.Stream(self.words.device)
+        with torch.cuda.stream(stream):
+            _set_kernel()[(1,)](scratch, 1, num_warps=1)
+            if self.mode == "kernel":
+                _spin_kernel()[(1,)](scratch, 1, num_warps=1)
+        event = torch.cuda.Event()
+        event.record(stream)
+        end = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > end:
+                raise TransportUnavailableError("NVSHMEM limited MPG: the signal kernels' first run did not complete")
+            time.sleep(1e-4)
 
     def _view(self, addr: int) -> torch.Tensor:
         i, rem = divmod(addr - self.base, 8)

@@ -397,6 +397,28 @@ class Runtime:
         bound = bounds.scatter(staging_layout, self.recv[off:off + nbytes], layout, tensors)
         return bound.copy(np.arange(len(ids), dtype=np.int64), ids, stream=stream, record_stream=False)
 
+    def preload(self, stream, sending: bool, peer: int, role: int, seq: int, layout, tensors, n: int,
+                bounds=None, sender_layout=None) -> None:
+        """Before a lane queues the waits of a transfer: have the gather (``sending``) or scatter
+        kernel of its ``n``-block chunks run once in this process (``BoundCopy.preload``). A
+        kernel's first launch may synchronize the whole context (CUDA lazy loading); behind a
+        signal wait that only this process's drain releases, it would never return. Best effort:
+        a failure here is logged, the transfer goes on."""
+        if bounds is None or n <= 0:
+            return
+        from xfer.kernels import staging_layout
+
+        try:
+            off, nbytes = self.plan.position(peer, role, seq), n * layout.bytes_per_block
+            if sending:
+                bound = bounds.gather(layout, tensors, staging_layout(layout, n), self.send[off:off + nbytes])
+            else:
+                bound = bounds.scatter(staging_layout(sender_layout, n), self.recv[off:off + nbytes], layout, tensors)
+            bound.preload(n, stream)
+        except Exception:  # noqa: BLE001 - only a safeguard; the copy itself reports real errors
+            log.warning("NVSHMEM PE %d: preloading the %s kernel of %d-block chunks failed", self.pe,
+                        "gather" if sending else "scatter", n, exc_info=True)
+
     def put_signal(self, stream, dst: int, role: int, seq: int, nbytes: int) -> None:
         """My send position (dst, role, seq) -> dst's receive position (me, role, seq); dst's data word := seq."""
         p = self.plan
