@@ -688,7 +688,9 @@ def test_gpu_deadline_expiry_then_exact_transfers():
             assert "TIMED_OUT" in states
             time.sleep(2)  # let both sides finish draining
             d.call("notifications")
-            d.call("poison", {"region": "kv"})
+            # synchronizes the decode PE's device: a lane stream still blocked on a signal wait would
+            # hang it; the short limit makes that PE print its threads' stacks before the test's timeout
+            d.call("poison", {"region": "kv"}, timeout=30)
             src, dst = list(range(8, 24)), list(range(16))
             res = transfer(p, "write", "pe1", src, dst, notify=b"ok", timeout=30)
             assert res["state"] == "DONE", res
