@@ -440,7 +440,7 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
             event = _KeepAliveEvent()
             event.record(stream)
             pair.release(entry, event)
-            plan = ids  # held by the event below until the copy ended
+            plan = (pair, ids)  # the tables and ids the kernel reads, held by the event below until it ended
     else:
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             if wait_event is not None:

@@ -288,7 +288,11 @@ class _IdsRing:
             if entry is None or entry[0].numel() < 2 * n:
                 size = max(256, triton.next_power_of_2(2 * n))
                 host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-                dev = torch.empty(size, dtype=torch.int64, device=self.device)
+                # allocated on the copy's stream: on the caller's current stream the allocator may
+                # hand back a block that work still queued there uses, and the copy's stream does
+                # not wait for that work (seen as wrong KV in the engine's TP test on the H200)
+                with torch.cuda.stream(stream):
+                    dev = torch.empty(size, dtype=torch.int64, device=self.device)
                 # [pinned, device, event, pinned as numpy, addresses, device views by n]
                 entry = self.entries[i] = [host, dev, None, host.numpy(), (dev.data_ptr(), host.data_ptr()), {}]
             host = entry[3]
@@ -384,8 +388,8 @@ class PairTables:
         programs, warps, n_rows, consts, key = shape
         if key in _COMPILED:
             return False
-        ids = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
-        ids.record_stream(stream)
+        with torch.cuda.stream(stream):  # allocated where it is used (see _IdsRing)
+            ids = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
         # n_rows 0: every row is masked off; only the tables' first words are read
         _launch(1, (self.table, ids, n, 0, *consts), warps, self.device.index, stream, key)
         return True

@@ -115,6 +115,46 @@ def test_bound_copy_checks_once_and_moves_exact_bytes(interpret, kind):
     assert bound.preload(3) is False  # no kernel module to load off the GPU
 
 
+def test_ids_ring_allocates_its_device_buffers_on_the_copy_stream(monkeypatch):
+    """The ids buffers a repeat launch reuses are allocated on the copy's own stream. On the
+    caller's current stream the allocator may return a block that kernels still queued there use,
+    and the copy's stream does not wait for them: a TP prefill's forward and its layer copies then
+    corrupted each other's bytes (wrong KV on the H200, an intermittent engine test failure)."""
+    import contextlib
+    import ctypes
+
+    from xfer.kernels import copy as kc
+
+    class Stream:
+        cuda_stream = 7
+
+    current, where, real_empty = [None], [], torch.empty
+
+    @contextlib.contextmanager
+    def stream_ctx(s):
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def empty(*a, device=None, pin_memory=False, **kw):
+        if device is not None:
+            where.append(current[-1])
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+    monkeypatch.setattr(torch, "empty", empty)
+    ring, s = kc._IdsRing(torch.device("cpu")), Stream()
+    def memcpy(dst, src, nbytes, kind, stream):  # host memory here: a plain copy
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    ids, entry = ring.upload(np.arange(3), np.arange(3, 6), s, memcpy)
+    assert where == [s], f"device buffer allocated under {where} (None: the caller's current stream)"
+    assert ids.tolist() == [0, 1, 2, 3, 4, 5]
+
+
 @gpu
 @needs_cuda
 def test_gpu_bound_copy_preload_moves_nothing_then_copies():
