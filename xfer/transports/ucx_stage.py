@@ -125,6 +125,9 @@ class StagingPool:
         self.sends = 0  # slots held by sends
         if kind.startswith("cuda"):
             base = torch.empty(nbytes * count, dtype=torch.uint8, device=kind)
+            # the allocator may have returned memory that work still queued on this thread's
+            # stream uses; copies on other streams and UCX will write it: let that work end first
+            torch.cuda.current_stream(base.device).synchronize()
             wires = [base[i * nbytes:(i + 1) * nbytes] for i in range(count)]
         else:
             base = torch.empty(nbytes * count, dtype=torch.uint8, pin_memory=kind == "pinned")
