@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|all]...   (default: all;
-# copycal, the kernel vs copy-engine calibration that writes the auto table, runs only when named)
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|all]...   (default: all;
+# copycal, the kernel vs copy-engine calibration that writes the auto table, and repeat, which runs
+# the GPU tests named by XFER_GPU_REPEAT_TESTS XFER_GPU_REPEAT times (default: the TP engine test, 8)
+# to count intermittent failures, run only when named)
 # Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _UCX, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
@@ -80,6 +82,18 @@ for step in $what; do
       run_step XFERBENCH python3 -m xfer.bench.cli --device cuda --transport auto,ipc,nvshmem,ucx --baselines copy,nccl \
         --out "$OUT/xfer-bench" --no-plots --quiet --json >"$OUT/xfer-bench.json" 2>"$OUT/xfer-bench.log"
       rc=$((rc | $?)); tail -40 "$OUT/xfer-bench.log" ;;&
+    repeat)
+      # an intermittent failure needs counting, not one pass: each run's verdict, then the tally
+      tests=${XFER_GPU_REPEAT_TESTS:-tests/test_engine_gpu.py::test_tensor_parallel_prefill_processes_on_one_gpu_equal_hf}
+      n=${XFER_GPU_REPEAT:-8}
+      for i in $(seq 1 "$n"); do
+        run_step REPEAT python3 -m pytest -m gpu -q -p no:cacheprovider --timeout-method=thread \
+          --timeout "${XFER_GPU_TEST_S:-120}" $tests >"$OUT/repeat-$i.log" 2>&1
+        echo "repeat $i: $(grep -E 'passed|failed|error|skipped' "$OUT/repeat-$i.log" | tail -1)"
+      done | tee "$OUT/repeat.log"
+      failed=$(grep -cE "failed|error" "$OUT/repeat.log")
+      echo "repeat: $tests, $n runs, $failed with a failure" | tee -a "$OUT/repeat.log"
+      [ "$failed" -eq 0 ] || rc=1 ;;
     copycal)
       run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     engine|all)
