@@ -232,6 +232,8 @@ def test_gpu_exchange_decides_the_heap_the_same_on_every_pe(store):
     [t.start() for t in threads]
     [t.join(15) for t in threads]
     assert out == [dict(enumerate(gpus))] * 4
+    bootstrap.forget(store, NvshmemGroup(store=store.endpoint, name="gx", rank=0, size=4), "s9")
+    assert all(store.try_get(f"nvshmem/gx/s9/gpu/{r}") is None for r in range(4))  # nothing left behind
     shared = bootstrap.shared_gpus(out[0])
     assert shared == [[0, 1]]  # same uuid on another host is another GPU
     assert bootstrap.shared_gpus({0: ("h", "a"), 1: ("h", "b")}) == []

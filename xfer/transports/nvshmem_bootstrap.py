@@ -92,6 +92,8 @@ def forget(store, group, session: str) -> None:
     """Rank 0, once the group formed: every PE has read the records; a later group must not."""
     store.delete(uid_key(group))
     store.delete(f"nvshmem/{group.name}/{session}/uid")
+    for rank in range(group.size):
+        store.delete(f"nvshmem/{group.name}/{session}/gpu/{rank}")
 
 
 def mark_joined(store, group, session: str) -> int:
