@@ -274,7 +274,7 @@ class _Side:
         self.addresses = slot_addresses(layout, self.tensors)
         self.spans = tensor_spans(layout, self.tensors)
         self.where = _where(self.tensors)
-        self.pairs: dict = {}  # (destination side, device) -> copy.PairTables (GPU kernel tables)
+        self.pairs: dict = {}  # per destination side: copy.PairTables (GPU kernel tables), host views
         self.cached = False  # kept in _SIDES (a cache, not a per-call staging buffer)
 
 
@@ -357,11 +357,16 @@ def _pair(copy, src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Si
     pair = src.pairs.get(key)
     if pair is None or (pair.src_layout is not src_layout and pair.src_layout != src_layout) or \
             (pair.dst_layout is not dst_layout and pair.dst_layout != dst_layout):
-        pair = copy.PairTables(src_layout, src.addresses, dst_layout, dst.addresses, device)
-        if len(src.pairs) >= 8:
-            src.pairs.clear()
-        src.pairs[key] = pair
+        pair = _remember(src, key, copy.PairTables(src_layout, src.addresses, dst_layout, dst.addresses, device))
     return pair
+
+
+def _remember(side: _Side, key, value):
+    """Keep ``value`` in ``side.pairs`` (what a side builds once per destination), at most 8."""
+    if len(side.pairs) >= 8:
+        side.pairs.clear()
+    side.pairs[key] = value
+    return value
 
 
 def _ref_views(src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Side):
@@ -369,10 +374,8 @@ def _ref_views(src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Sid
     key = ("host views", weakref.ref(dst))
     hit = src.pairs.get(key)
     if hit is None or hit[0] is not src_layout or hit[1] is not dst_layout:
-        hit = (src_layout, dst_layout, host_run_views(src_layout, src.tensors, dst_layout, dst.tensors))
-        if len(src.pairs) >= 8:
-            src.pairs.clear()
-        src.pairs[key] = hit
+        hit = _remember(src, key, (src_layout, dst_layout,
+                                   host_run_views(src_layout, src.tensors, dst_layout, dst.tensors)))
     return hit[2]
 
 

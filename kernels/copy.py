@@ -14,6 +14,7 @@ This module imports triton; ``xfer.kernels`` imports it only when a kernel is ab
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -146,7 +147,7 @@ class CopyPlan:
     """
 
     __slots__ = ("table", "ids", "n", "slots", "sizes", "s_str", "d_str", "run_words", "word_bytes", "align",
-                 "interpret", "device", "tiles", "ring")
+                 "interpret", "device", "tiles")
 
     def __init__(self, table: torch.Tensor, n: int, slots: int, geometry, word_bytes: int, align: int,
                  interpret: bool, ids: torch.Tensor | None = None, tiles: dict | None = None) -> None:
@@ -159,17 +160,10 @@ class CopyPlan:
         self.run_words = run_bytes // word_bytes
         self.device = table.device
         self.tiles = tiles  # (n, tile_bytes, num_warps) -> launch shape, shared by a pair's plans
-        self.ring = None  # the _IdsRing entry holding ``ids``, released with the launch's event
 
     def __repr__(self) -> str:
         return (f"CopyPlan(n={self.n}, slots={self.slots}, runs/block={math.prod(self.sizes)}, "
                 f"run={self.run_words}x{self.word_bytes}B, align={self.align}, device={self.device})")
-
-    def done(self, event) -> None:
-        """The launch's completion event: the ids buffers it read may be reused once it completed."""
-        if self.ring is not None:
-            self.ring[2] = event
-            self.ring = None
 
     def tiling(self, tile_bytes: int | None = None) -> tuple[int, int, int, int]:
         """(CHUNK words, CHUNKS a run, ROWS a program, programs) for a tile of ``tile_bytes``."""
@@ -340,37 +334,47 @@ class PairTables:
         self.ring = _IdsRing(device)
         self._memcpy = None  # cudaMemcpyAsync, looked up on the first launch on a stream
 
+    def _upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream | None) -> tuple:
+        """(device ids ``[src..., dst...]`` sorted by destination, the ring entry holding them or
+        None): with a stream, into a reused ring buffer by one ``cudaMemcpyAsync`` on it; without
+        one, or with every buffer busy, a fresh upload (on ``stream``, else the current stream)."""
+        if SORT_BY_DESTINATION and len(dst_ids) > 1:  # pairs are independent (destination ids unique)
+            order = np.argsort(dst_ids)
+            src_ids, dst_ids = src_ids[order], dst_ids[order]
+        if stream is not None:
+            memcpy = self._memcpy
+            if memcpy is None:
+                from . import copy_engine
+
+                rt = copy_engine._runtime()
+                memcpy = self._memcpy = False if isinstance(rt, str) else rt.memcpy
+            hit = self.ring.upload(src_ids, dst_ids, stream, memcpy) if memcpy else None
+            if hit is not None:
+                return hit
+        n = len(src_ids)
+        staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+        host = staged.numpy()
+        host[:n], host[n:] = src_ids, dst_ids
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return staged.to(self.device, non_blocking=True), None  # the host allocator keeps `staged` until copied
+
+    def _shape(self, n: int) -> tuple:
+        """The default launch shape of an ``n``-block copy (``CopyPlan.shape``), kept in ``tiles``."""
+        shape = self.tiles.get((n, None, None))
+        if shape is None:
+            shape = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False,
+                             ids=self.table, tiles=self.tiles).shape()
+        return shape
+
     def launch(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> tuple:
         """Launch a copy of *validated* ids on ``stream``, the lean way a repeat copy between
         long-lived caches takes: the ids go into a reused buffer by one ``cudaMemcpyAsync``, the
         launch shape comes from ``tiles``, no plan object is built. Returns (ring entry, ids
         tensor): give the entry to :meth:`release` with the launch's event, and keep the ids
         tensor until that event completed."""
-        if SORT_BY_DESTINATION and len(dst_ids) > 1:
-            order = np.argsort(dst_ids)
-            src_ids, dst_ids = src_ids[order], dst_ids[order]
+        ids, entry = self._upload(src_ids, dst_ids, stream)
         n = len(src_ids)
-        memcpy = self._memcpy
-        if memcpy is None:
-            from . import copy_engine
-
-            rt = copy_engine._runtime()
-            memcpy = self._memcpy = False if isinstance(rt, str) else rt.memcpy
-        hit = self.ring.upload(src_ids, dst_ids, stream, memcpy) if memcpy else None
-        if hit is None:  # every buffer busy (or no runtime): a fresh upload, kept by the caller
-            staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-            host = staged.numpy()
-            host[:n], host[n:] = src_ids, dst_ids
-            with torch.cuda.stream(stream):
-                ids = staged.to(self.device, non_blocking=True)
-            entry = None
-        else:
-            ids, entry = hit
-        shape = self.tiles.get((n, None, None))
-        if shape is None:
-            shape = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False,
-                             ids=ids, tiles=self.tiles).shape()
-        programs, warps, n_rows, consts, key = shape
+        programs, warps, n_rows, consts, key = self._shape(n)
         _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
         return entry, ids
 
@@ -381,11 +385,7 @@ class PairTables:
         CUDA may synchronize the whole context to load a kernel on its first launch (lazy loading);
         were a stream of this process then waiting on memory that only later work of this process
         sets (an NVSHMEM signal wait its own drain releases), that first launch would never return."""
-        shape = self.tiles.get((n, None, None))
-        if shape is None:
-            shape = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False,
-                             ids=self.table, tiles=self.tiles).shape()
-        programs, warps, n_rows, consts, key = shape
+        programs, warps, n_rows, consts, key = self._shape(n)
         if key in _COMPILED:
             return False
         with torch.cuda.stream(stream):  # allocated where it is used (see _IdsRing)
@@ -400,33 +400,8 @@ class PairTables:
         if entry is not None:
             entry[2] = event
 
-    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream | None = None) -> CopyPlan:
-        """A plan for *validated* ids: one small upload of the ids, on ``stream`` (None: the current
-        stream). With a stream, release the plan (:meth:`CopyPlan.done`) with its launch's event."""
-        if SORT_BY_DESTINATION and len(dst_ids) > 1:
-            order = np.argsort(dst_ids)
-            src_ids, dst_ids = src_ids[order], dst_ids[order]
-        n = len(src_ids)
-        hit = None
-        if stream is not None:
-            from . import copy_engine
-
-            rt = copy_engine._runtime()
-            if not isinstance(rt, str):
-                hit = self.ring.upload(src_ids, dst_ids, stream, rt.memcpy)
-        if hit is None:
-            staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-            host = staged.numpy()
-            host[:n], host[n:] = src_ids, dst_ids
-            if stream is None:
-                ids = staged.to(self.device, non_blocking=True)  # the host allocator keeps `staged` until copied
-            else:
-                with torch.cuda.stream(stream):
-                    ids = staged.to(self.device, non_blocking=True)
-            entry = None
-        else:
-            ids, entry = hit
-        plan = CopyPlan(self.table, n, self.slots, self.geometry, min(self.align, 8), self.align, False, ids=ids,
-                        tiles=self.tiles)
-        plan.ring = entry
-        return plan
+    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> CopyPlan:
+        """A plan for *validated* ids, their upload queued on the current stream."""
+        ids, _ = self._upload(src_ids, dst_ids, None)
+        return CopyPlan(self.table, len(src_ids), self.slots, self.geometry, min(self.align, 8), self.align, False,
+                        ids=ids, tiles=self.tiles)
