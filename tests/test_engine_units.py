@@ -186,3 +186,19 @@ def test_poster_runs_in_order_flushes_and_keeps_the_first_error():
         assert isinstance(poster.error, ZeroDivisionError)
     finally:
         poster.close()
+
+
+def test_the_checkout_root_never_shadows_hugging_faces_kernels_package():
+    """Run from the repository root (``python -c``, ``python -m``, the Router's forkserver), the
+    folder ``kernels/`` (xfer.kernels) must not answer ``import kernels``: transformers imports
+    Hugging Face's package of that name when it is installed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import importlib.util, xfer.engine; s = importlib.util.find_spec('kernels'); "
+            "print(s.origin if s else None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() != os.path.join(root, "kernels", "__init__.py"), out.stdout
