@@ -103,6 +103,7 @@ class FakeRuntime:
         self.streams: list[FakeStream] = []
         self.lanes = Lanes(self)
         self.closed = False
+        self.teardown = "open"  # as the real Runtime: "open" until the last agent on this PE releases it
 
     def describe(self):
         return f"PE {self.pe}/{self.size} (fake): data words {self.data.tolist()}, credit words {self.credit.tolist()}"
