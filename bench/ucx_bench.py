@@ -386,6 +386,9 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", help="XFER_UCX_CHUNK_BYTES of both processes, e.g. 16M or 64M")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown case(s) {unknown}; known: {','.join(CASES)}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.chunk_bytes:

@@ -346,6 +346,70 @@ def test_chunk_layouts_are_memoized_and_kernel_copies_round_trip():
         assert_untouched(dst_layout, dst_t, written)
 
 
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.SGLANG, LayoutKind.VLLM_CROSS_LAYER])
+def test_iov_addresses_are_the_gather_in_order(kind):
+    """A scatter-gather send's (address, length) list reads exactly the bytes a gather would
+    stage, in the same order: random blocks of every layer range, read back through the addresses."""
+    import ctypes
+
+    import torch
+
+    from xfer.transports.ucx_stage import BlockCopier
+
+    tensors, layout = make_kv_cache(kind, **SMALL)
+    fill_random(tensors, seed=9)
+    copier = BlockCopier(layout, tensors)
+    assert copier.rows
+    ids = np.array([17, 3, 60, 4, 0])
+    for l0, l1 in ((0, 4), (1, 3), (3, 4)):
+        staged = torch.empty(ids.size * (l1 - l0) * layout.num_kv * layout.block_nbytes, dtype=torch.uint8)
+        copier.gather(ids, l0, l1, staged)
+        iov = copier.iov(ids, l0, l1)
+        assert iov.dtype == np.uint64 and iov.shape == (ids.size * (l1 - l0) * layout.num_kv, 2)
+        assert (iov[:, 1] == layout.block_nbytes).all()
+        read = b"".join(ctypes.string_at(int(a), int(n)) for a, n in iov)
+        assert read == staged.numpy().tobytes()
+
+
+@pytest.mark.parametrize("iov", ["on", "off"])
+def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, iov):
+    """Host chunks sent straight from the blocks (UCX scatter-gather; forced here for 128-byte
+    blocks, 32 chunks of 64 KiB a transfer) or gathered first (``XFER_UCX_IOV=0``): a write (this
+    side sends) and a read (the peer sends) of the seed workload land byte-exact, untouched blocks
+    still poisoned, and the transfer's path says which way it went."""
+    both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K", "XFER_UCX_IOV": "1" if iov == "on" else "0"}
+    from xfer.transports import ucx_iov
+
+    monkeypatch.setattr(ucx_iov, "_sender", None)  # decided afresh under this test's XFER_UCX_IOV
+    monkeypatch.setattr(ucx_iov, "_why_not", None)
+    for k, v in both.items():
+        monkeypatch.setenv(k, v)
+    tensors, layout = make_kv_cache(KIND, **SEED)
+    fill_random(tensors, seed=13)
+    peer = UcxPeer("iov", KIND, SEED, seed=14, env=both)
+    try:
+        peer.metadata = peer.call("region", ("dst", None))
+        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            src, dst = list(range(0, 256, 2)), list(range(128, 256))[::-1]
+            t = agent.write(name, src, dst, peer_region="dst", notify=b"iov")
+            t.wait()
+            assert ("sent in place" in t.path) == (iov == "on"), t.path
+            remote = peer.tensors("dst")
+            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+            assert_untouched(peer.layout, remote, dst)
+            poison(tensors)
+            pulled, into = list(range(1, 256, 2)), list(range(128))
+            agent.read(name, pulled, into, peer_region="kv").wait()
+            exp = expected_blocks(KIND, SEED, 14, pulled)
+            for a, b in zip(exp, block_bytes(layout, tensors, into)):
+                assert np.array_equal(a, b), "blocks read from the peer differ from its source"
+            assert_untouched(layout, tensors, into)
+    finally:
+        peer.close()
+
+
 # small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
 RING = dict(num_layers=4, num_blocks=256, block_size=8, num_heads=1, head_dim=32)  # 4 KiB a block
 RING_ENV = {"UCX_RNDV_THRESH": "4k", "XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_SLOTS": "2", "XFER_UCX_DEPTH": "2"}

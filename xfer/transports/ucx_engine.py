@@ -101,6 +101,8 @@ class Engine:
         self._closing = False
         self._sleeping = False
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
+        from .ucx_iov import iov_sender
+        self.iov, self.iov_off = iov_sender()  # scatter-gather sends from host blocks (None: gather first)
         from .ucx_proto import Protocol  # the control messages
         self.proto = Protocol(self)
         self._thread = threading.Thread(target=self._run, name=f"xfer-ucx-{ctx.agent_name}", daemon=True)
@@ -311,6 +313,15 @@ class Engine:
         self.tag_send(flow.conn, wire_view, wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq),
                       lambda err: flow.sent(slot, self._ucx_error(flow, err)))
 
+    def send_iov(self, flow, chunk, slot, iov: np.ndarray) -> None:
+        """Send a chunk straight from the blocks (``iov``: their addresses in staging order)."""
+        if flow.conn.dead:
+            flow.sent(slot, flow.conn.error)
+            return
+        tag = wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq)
+        self.track(self.iov.send(flow.conn.ep.handle, iov, tag),
+                   lambda err: flow.sent(slot, self._ucx_error(flow, err)))
+
     def recv_chunk(self, flow, chunk, slot, probe) -> None:
         _, wire_view = slot.view(chunk.nbytes)
         flow.receiving += 1
@@ -407,6 +418,9 @@ class Engine:
             while self._reqs and time.monotonic() < end:
                 self.worker.progress_worker_event(10)
                 self._check_reqs()
+            for req, _ in self._reqs:
+                if hasattr(req, "abandon"):  # an IOV send UCX may still read from: keep its address list
+                    req.abandon()
             self._reqs = []
 
     def _teardown(self) -> None:

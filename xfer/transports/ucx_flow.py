@@ -39,7 +39,7 @@ class Flow:
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
-                 "depth", "queued", "receiving", "ready")
+                 "depth", "queued", "receiving", "ready", "iov")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
@@ -62,6 +62,10 @@ class Flow:
         self.queued = False  # in the engine's queue of flows wanting a slot
         self.started = time.monotonic()
         self.ready = None  # initiator, CUDA region: the caller's stream event the first copy waits for
+        # sending from host rows: each chunk goes out as UCX scatter-gather from the blocks themselves
+        # (its slot is then only a token of the pool's flow control; see ucx_iov)
+        self.iov = (self.sending and getattr(engine, "iov", None) is not None and bool(copier.rows)
+                    and pool.kind == "host" and sender_layout.block_nbytes >= engine.settings.iov_min_bytes)
 
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "target"
@@ -98,6 +102,9 @@ class Flow:
         self.inflight += 1
         if self.sending:
             ids = self.ids[chunk.b0:chunk.b1]
+            if self.iov:
+                self.engine.send_iov(self, chunk, slot, self.copier.iov(ids, chunk.l0, chunk.l1))
+                return
             view, _ = slot.view(chunk.nbytes)
             self.engine.copy(lambda: (self._wait_ready(), self.copier.gather(ids, chunk.l0, chunk.l1, view)),
                              lambda err: self._gathered(chunk, slot, err), chunk.nbytes)
@@ -112,6 +119,8 @@ class Flow:
             self.engine.release(self, slot)
             self.engine.fail(self, err)
             return
+        if self.transfer is not None and chunk.seq == 0:
+            self.transfer._mark("gathered")  # the first chunk (the pipeline's exposed head)
         self.engine.send_chunk(self, chunk, slot)
 
     # ---- chunk completions -------------------------------------------------------------------
@@ -127,7 +136,9 @@ class Flow:
         return True
 
     def sent(self, slot: Slot, err) -> None:
-        self._chunk_ended(slot, err)  # a READ target then waits for the initiator's FIN
+        if self._chunk_ended(slot, err) and self.transfer is not None and self.all_landed():
+            self.transfer._mark("sent")  # UCX completed the last chunk's send; the peer's ACK follows
+        # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
         self.receiving -= 1
@@ -152,4 +163,6 @@ class Flow:
 
     def _scattered(self, slot: Slot, err) -> None:
         if self._chunk_ended(slot, err) and self.all_landed():
+            if self.transfer is not None:
+                self.transfer._mark("landed")  # READ: every chunk scattered here; FIN and the ACK follow
             self.engine.landed(self)

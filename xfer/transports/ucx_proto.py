@@ -168,6 +168,7 @@ class Protocol:
         t = job.transfer
         if t.poll().terminal:
             return
+        t._mark("started")  # the engine thread took the posted job
         try:
             conn = self.connect(job.peer.metadata)
             copier, pool = self._copier(job.local), self.e.pool(self._pool_kind(job.local))
@@ -187,7 +188,7 @@ class Protocol:
         flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
         if not flow.sending:
             self.e._rx[(conn.local_id, flow.xid)] = flow
-        t.path = self.describe(job.local, copier, pool)
+        t.path = self.describe(job.local, copier, pool, flow.iov)
         t._start(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
         self.e._flows[flow.key] = flow
         conn.flows[id(flow)] = flow
@@ -195,6 +196,7 @@ class Protocol:
                   "xid": flow.xid, "ttl": max(t.time_left(), 0.0), "tid": t.id, "from": self.ctx.agent_name,
                   "layout": job.local.layout.to_dict(), "order": sender.inner_order}
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
+        t._mark("requested")
         self.e.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
 
     def _cancelled(self, flow: Flow) -> None:
@@ -289,9 +291,11 @@ class Protocol:
             return f"cuda:{dev.index or 0}" if self.e.context.cuda_support else "pinned"
         raise InvalidArgumentError(f"the UCX transport moves host or CUDA memory, region {region.name!r} is on {dev}")
 
-    def describe(self, region, copier: BlockCopier, pool) -> str:
+    def describe(self, region, copier: BlockCopier, pool, iov: bool = False) -> str:
         tls = self.e.context.config.get("TLS", "?")
-        if pool.kind == "pinned":
+        if iov:
+            where = "host blocks sent in place (UCX scatter-gather), no staging copy"
+        elif pool.kind == "pinned":
             where = "CUDA blocks staged through pinned host memory (this UCX has no CUDA support)"
         elif pool.kind.startswith("cuda"):
             where = f"GPU-direct from {pool.kind} staging"

@@ -202,6 +202,7 @@ class BlockCopier:
         unit = int(np.gcd.reduce(np.append(addr - lo, step)))
         raw = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
         nrows = (hi - lo - lay.block_nbytes) // unit + 1
+        self._lo, self._unit = lo, unit
         rows = torch.from_numpy(raw).as_strided((nrows, lay.block_nbytes), (unit, 1))
         wrows = np.ndarray((nrows,), dtype=np.dtype((np.void, lay.block_nbytes)), buffer=raw, strides=(unit,))
         return rows, wrows, (addr - lo) // unit, step // unit
@@ -211,6 +212,15 @@ class BlockCopier:
         _, _, base, step = self.span
         k = self.layout.num_kv
         return (base[l0 * k:l1 * k, None] + ids[None, :] * step).reshape(-1)
+
+    def iov(self, ids: np.ndarray, l0: int, l1: int) -> np.ndarray:
+        """(address, length) of every block ``ids`` of layers l0:l1, in staging order: what a gather
+        into a slot would lay out, for a scatter-gather send (host rows only). ``[n, 2]`` uint64."""
+        rows = self._index(ids, l0, l1)
+        out = np.empty((rows.size, 2), dtype=np.uint64)
+        out[:, 0] = rows * self._unit + self._lo
+        out[:, 1] = self.layout.block_nbytes
+        return out
 
     def gather(self, ids: np.ndarray, l0: int, l1: int, out: torch.Tensor) -> None:
         """Blocks ``ids`` of layers l0:l1 into ``out`` (``[layers, K, len(ids), block]`` bytes)."""

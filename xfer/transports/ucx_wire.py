@@ -85,6 +85,10 @@ class UcxSettings:
     inline_bytes (XFER_UCX_INLINE_BYTES): chunks up to this size are gathered / scattered on the
         engine thread itself (two thread hand-offs fewer a chunk: what small transfers wait on);
         larger ones on the copy thread, overlapping the wire.
+    iov_min_bytes (XFER_UCX_IOV_MIN_BYTES): host regions whose blocks are at least this many bytes
+        send each chunk straight from the blocks as one UCX scatter-gather message (no gather
+        into a slot; ``XFER_UCX_IOV=0`` turns that off). Below it each address costs UCX more
+        than the copy saves (over TCP: 512 B blocks went 1.6x slower, 32 KiB blocks 10 % faster).
     """
 
     chunk_bytes: int = 16 << 20
@@ -94,6 +98,7 @@ class UcxSettings:
     address: str | None = None
     keepalive_s: float = 1.0
     inline_bytes: int = 1 << 20
+    iov_min_bytes: int = 4096
     ucx_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +113,8 @@ class UcxSettings:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port!r}")
         if not isinstance(self.inline_bytes, int) or self.inline_bytes < 0:
             raise InvalidArgumentError(f"inline_bytes must be an int >= 0, got {self.inline_bytes!r}")
+        if not isinstance(self.iov_min_bytes, int) or self.iov_min_bytes < 0:
+            raise InvalidArgumentError(f"iov_min_bytes must be an int >= 0, got {self.iov_min_bytes!r}")
         if not self.keepalive_s > 0:
             raise InvalidArgumentError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
 
@@ -118,7 +125,8 @@ class UcxSettings:
                    depth=_env_int("XFER_UCX_DEPTH", d.depth), slots=_env_int("XFER_UCX_SLOTS", d.slots),
                    port=_env_int("XFER_UCX_PORT", d.port), address=os.environ.get("XFER_UCX_ADDRESS") or None,
                    keepalive_s=float(os.environ.get("XFER_UCX_KEEPALIVE_S", d.keepalive_s)),
-                   inline_bytes=_env_int("XFER_UCX_INLINE_BYTES", d.inline_bytes))
+                   inline_bytes=_env_int("XFER_UCX_INLINE_BYTES", d.inline_bytes),
+                   iov_min_bytes=_env_int("XFER_UCX_IOV_MIN_BYTES", d.iov_min_bytes))
 
     def context_options(self) -> dict:
         """UCX options for the context: tuned defaults, unless the user's environment sets them."""

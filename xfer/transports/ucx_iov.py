@@ -1,0 +1,161 @@
+"""Scatter-gather tag sends straight from a host region's blocks (UCX's ``UCP_DATATYPE_IOV``).
+
+ucxx's Python API sends one contiguous buffer per message, so a chunk of non-adjacent blocks
+would first be gathered into a staging slot: one more pass over the bytes on the sending host,
+on top of UCX's own copy into its TCP fragments (or none at all with RDMA). UCX itself takes a
+list of (address, length) pairs for one message and packs from it. This module calls
+``ucp_tag_send_nbx`` with such a list, through ctypes, on the very ``libucp`` ucxx runs on, with
+the endpoint and worker handles ucxx exposes; the bytes on the wire are exactly a gathered
+chunk's, so the receiver cannot tell (and needs no change).
+
+Only sends: a receive straight into the destination blocks would keep writing them after a
+transfer that failed (deadline, dead peer) had been reported, since UCX cannot cancel a matched
+rendezvous receive; into a staging slot those late bytes are harmless.
+
+Requests are polled like ucxx's (``completed``, ``check_error``) on the engine thread, which
+owns the worker; a request's address list stays referenced until UCX completes it, and one
+dropped unfinished (engine closing) keeps its list for the life of the process.
+
+``XFER_UCX_IOV=0`` turns this off (every chunk is gathered into its slot first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+__all__ = ["IovSender", "iov_sender"]
+
+_FIELD_DATATYPE = 1 << 3
+_FIELD_MEMORY_TYPE = 1 << 6
+_DATATYPE_IOV = 2
+_MEMORY_TYPE_HOST = 0
+_INPROGRESS = 1
+_ERR_LAST = -100
+_PTR_ERR_MIN = (1 << 64) + _ERR_LAST  # UCS_PTR_IS_ERR: (uintptr_t)ptr >= (uintptr_t)UCS_ERR_LAST
+
+_abandoned: list = []  # requests dropped before UCX completed them: their address lists stay alive
+
+
+class _Param(ctypes.Structure):
+    """``ucp_request_param_t`` (ucp.h, UCX 1.12+): the members this module sets, in their ABI order."""
+
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", ctypes.c_void_p),
+                ("cb", ctypes.c_void_p), ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
+                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int), ("recv_info", ctypes.c_void_p),
+                ("memh", ctypes.c_void_p)]
+
+
+class IovError(RuntimeError):
+    """UCX failed an IOV send (the status name, as ucxx's errors carry it)."""
+
+
+class IovRequest:
+    """One IOV send: ``completed`` polls UCX (and frees the request once done), ``check_error``
+    raises :class:`IovError` for a failed one. The address list lives as long as the request."""
+
+    __slots__ = ("_lib", "_ptr", "_iov", "status")
+
+    def __init__(self, lib: "IovSender", ptr, iov: np.ndarray):
+        self._lib, self._iov = lib, iov
+        if ptr is None or ptr == 0:
+            self._ptr, self.status = None, 0  # completed at once
+        elif ptr >= _PTR_ERR_MIN:
+            self._ptr, self.status = None, ptr - (1 << 64)
+        else:
+            self._ptr, self.status = ptr, _INPROGRESS
+        if self._ptr is None:
+            self._iov = None
+
+    @property
+    def completed(self) -> bool:
+        if self._ptr is None:
+            return True
+        status = self._lib.check_status(self._ptr)
+        if status == _INPROGRESS:
+            return False
+        self.status = status
+        self._lib.free(self._ptr)
+        self._ptr, self._iov = None, None
+        return True
+
+    def check_error(self) -> None:
+        if self.status < 0:
+            raise IovError(self._lib.status_string(self.status))
+
+    def abandon(self) -> None:
+        """Forget an unfinished request (its engine is closing): keep its address list alive."""
+        if self._ptr is not None:
+            _abandoned.append(self._iov)
+
+
+class IovSender:
+    """ctypes entry points of the process's ``libucp`` (the one ucxx loaded)."""
+
+    def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL):
+        self._send = ucp.ucp_tag_send_nbx
+        self._send.restype = ctypes.c_void_p
+        self._send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64,
+                               ctypes.POINTER(_Param)]
+        self.check_status = ucp.ucp_request_check_status
+        self.check_status.restype = ctypes.c_int
+        self.check_status.argtypes = [ctypes.c_void_p]
+        self.free = ucp.ucp_request_free
+        self.free.restype = None
+        self.free.argtypes = [ctypes.c_void_p]
+        self._string = ucs.ucs_status_string
+        self._string.restype = ctypes.c_char_p
+        self._string.argtypes = [ctypes.c_int]
+        self._param = _Param(op_attr_mask=_FIELD_DATATYPE | _FIELD_MEMORY_TYPE, datatype=_DATATYPE_IOV,
+                             memory_type=_MEMORY_TYPE_HOST)
+        self._param_ref = ctypes.byref(self._param)
+
+    def status_string(self, status: int) -> str:
+        return f"{self._string(status).decode(errors='replace')} (UCS status {status})"
+
+    def send(self, ep_handle: int, iov: np.ndarray, tag: int) -> IovRequest:
+        """Tag-send the bytes named by ``iov`` (``[n, 2]`` uint64: address, length) as ONE message
+        on the endpoint ``ep_handle`` (a ucxx endpoint's ``handle``); host memory only."""
+        if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
+            raise ValueError(f"iov must be a C-contiguous [n, 2] uint64 array, got {iov.dtype} {iov.shape}")
+        ptr = self._send(ep_handle, iov.ctypes.data, iov.shape[0], tag, self._param_ref)
+        return IovRequest(self, ptr, iov)
+
+
+def _loaded(name: str) -> str | None:
+    """Path of the shared library ``name`` (e.g. ``libucp.so``) as mapped in this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ")[-1]
+                if os.path.basename(path).startswith(name):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+_sender: IovSender | None = None
+_why_not: str | None = None
+
+
+def iov_sender() -> tuple[IovSender | None, str | None]:
+    """(the sender, None), or (None, why IOV sends are off). Call after ucxx is imported (its
+    ``libucp`` must be the one mapped here; a second copy would not know its endpoints)."""
+    global _sender, _why_not
+    if _sender is not None or _why_not is not None:
+        return _sender, _why_not
+    if os.environ.get("XFER_UCX_IOV", "1").strip().lower() in ("0", "no", "off", "false"):
+        _why_not = "XFER_UCX_IOV=0"
+        return None, _why_not
+    ucp_path, ucs_path = _loaded("libucp.so"), _loaded("libucs.so")
+    if ucp_path is None or ucs_path is None:
+        _why_not = "libucp/libucs are not mapped in this process (ucxx not imported?)"
+        return None, _why_not
+    try:
+        _sender = IovSender(ctypes.CDLL(ucp_path), ctypes.CDLL(ucs_path))
+    except (OSError, AttributeError) as exc:
+        _why_not = f"cannot bind UCX's tag send from {ucp_path}: {exc}"
+    return _sender, _why_not
