@@ -371,6 +371,47 @@ def test_iov_addresses_are_the_gather_in_order(kind):
         assert read == staged.numpy().tobytes()
 
 
+def test_iov_requests_complete_fail_and_free_once(monkeypatch):
+    """An IOV send's request: done at once (NULL), failed at once (an error pointer), or polled
+    until UCX completes it, then freed exactly once; its address list is dropped when done."""
+    from xfer.transports import ucx_iov
+
+    class Lib:
+        def __init__(self):
+            self.status, self.freed = {}, []
+
+        def check_status(self, ptr):
+            return self.status[ptr]
+
+        def free(self, ptr):
+            self.freed.append(ptr)
+
+        def status_string(self, status):
+            return f"status {status}"
+
+    lib, iov = Lib(), np.zeros((3, 2), dtype=np.uint64)
+    done = ucx_iov.IovRequest(lib, None, iov)
+    assert done.completed and done._iov is None
+    done.check_error()
+    failed = ucx_iov.IovRequest(lib, (1 << 64) - 16, iov)  # UCS_PTR_STATUS(UCS_ERR_CANCELED)
+    assert failed.completed
+    with pytest.raises(ucx_iov.IovError, match="status -16"):
+        failed.check_error()
+    lib.status[0x1000] = 1  # UCS_INPROGRESS
+    live = ucx_iov.IovRequest(lib, 0x1000, iov)
+    assert not live.completed and live._iov is iov and lib.freed == []
+    lib.status[0x1000] = -25
+    assert live.completed and live.completed and lib.freed == [0x1000] and live._iov is None
+    with pytest.raises(ucx_iov.IovError):
+        live.check_error()
+    with pytest.raises(ValueError, match="uint64"):
+        ucx_iov.IovSender.send(object(), 0, np.zeros((2, 2), dtype=np.int64), 1)
+    monkeypatch.setattr(ucx_iov, "_sender", None)
+    monkeypatch.setattr(ucx_iov, "_why_not", None)
+    monkeypatch.setenv("XFER_UCX_IOV", "0")
+    assert ucx_iov.iov_sender() == (None, "XFER_UCX_IOV=0")
+
+
 @pytest.mark.parametrize("iov", ["on", "off"])
 def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, iov):
     """Host chunks sent straight from the blocks (UCX scatter-gather; forced here for 128-byte

@@ -418,9 +418,9 @@ class Engine:
             while self._reqs and time.monotonic() < end:
                 self.worker.progress_worker_event(10)
                 self._check_reqs()
-            for req, _ in self._reqs:
-                if hasattr(req, "abandon"):  # an IOV send UCX may still read from: keep its address list
-                    req.abandon()
+            for req, cb in self._reqs:
+                if hasattr(req, "abandon"):  # an IOV send UCX may still read from: keep what it reads
+                    req.abandon(cb)
             self._reqs = []
 
     def _teardown(self) -> None:

@@ -85,10 +85,11 @@ class IovRequest:
         if self.status < 0:
             raise IovError(self._lib.status_string(self.status))
 
-    def abandon(self) -> None:
-        """Forget an unfinished request (its engine is closing): keep its address list alive."""
+    def abandon(self, *keep) -> None:
+        """Forget an unfinished request (its engine is closing): keep its address list alive, and
+        ``keep`` (its callback, which holds the flow and so the region's tensors)."""
         if self._ptr is not None:
-            _abandoned.append(self._iov)
+            _abandoned.append((self._iov, keep))
 
 
 class IovSender:
