@@ -451,6 +451,41 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
         peer.close()
 
 
+# thousands of block ids: a REQ (8 bytes an id) above UCX's eager limit goes by rendezvous
+MANY = dict(num_layers=2, num_blocks=4096, block_size=1, num_heads=1, head_dim=8)
+
+
+def test_a_big_request_then_small_ones_all_land_in_order(env):
+    """Regression: the REQ of a 3,000-block write goes by rendezvous and landed after the small
+    REQs posted right behind it; handled first, a small one advanced the connection's transfer id
+    and the big one was refused as stale ("transfer id N is not a new one"), every time. Control
+    messages are now handled in arrival order: all land byte-exact and notify."""
+    tensors, layout = make_kv_cache(KIND, **MANY)
+    fill_random(tensors, seed=17)
+    peer = UcxPeer("many", KIND, MANY)
+    try:
+        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            rng = np.random.default_rng(3)
+            perm = rng.permutation(4096)
+            big_src, big_dst = rng.integers(0, 4096, 3000).tolist(), perm[:3000].tolist()
+            small = [([int(s)], [int(d)]) for s, d in zip(rng.integers(0, 4096, 5), perm[3000:3005])]
+            ts = [agent.write(name, big_src, big_dst, notify=b"big")]
+            ts += [agent.write(name, s, d, notify=f"s{k}".encode()) for k, (s, d) in enumerate(small)]
+            for t in ts:
+                t.wait()
+            remote = peer.tensors()
+            src = big_src + [x for s, _ in small for x in s]
+            dst = big_dst + [x for _, d in small for x in d]
+            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+            assert_untouched(peer.layout, remote, dst)
+            notes = peer.call("notifications")
+            assert sorted(n[3] for n in notes) == sorted([b"big"] + [f"s{k}".encode() for k in range(5)])
+    finally:
+        peer.close()
+
+
 # small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
 RING = dict(num_layers=4, num_blocks=256, block_size=8, num_heads=1, head_dim=32)  # 4 KiB a block
 RING_ENV = {"UCX_RNDV_THRESH": "4k", "XFER_UCX_CHUNK_BYTES": "8K", "XFER_UCX_SLOTS": "2", "XFER_UCX_DEPTH": "2"}

@@ -3,6 +3,8 @@ UCX's stream API to swap connection ids and identities, then tagged messages onl
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from ..errors import MetadataError, PeerDisconnectedError
@@ -23,7 +25,7 @@ class Conn:
     """
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
-                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early")
+                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early", "ctrl_in")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -38,6 +40,10 @@ class Conn:
         self.xid = 0
         self.early: dict[int, list] = {}  # xid -> probed chunks that came before their REQ
         self.n_early = 0  # chunks held in ``early``
+        # control messages in arrival order, [bytes, error, landed] each: handled strictly in this
+        # order, though a big one (a REQ of thousands of ids goes by rendezvous) lands after a
+        # small one behind it
+        self.ctrl_in: collections.deque = collections.deque()
         self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
         self.hello_out: np.ndarray | None = None
 

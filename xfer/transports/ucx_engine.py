@@ -395,6 +395,7 @@ class Engine:
         for xid in list(conn.early):
             self.adopt_early(conn, xid, None)
         conn.waiting = []
+        conn.ctrl_in.clear()
         if conn.ep is not None and conn.ep.alive:  # UCX closes a failed endpoint itself (closing it twice crashes)
             try:
                 conn.ep.close()

@@ -116,9 +116,24 @@ class Protocol:
         self.e.tag_send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
 
     def on_ctrl_probe(self, conn_id: int, probe) -> None:
-        """A probed control message (the engine's probe takes every message): receive it."""
+        """A probed control message (the engine's probe takes every message): receive it, and
+        handle it once it and every control message of its connection probed before it landed."""
         buf = np.empty(max(probe.length, 1), dtype=np.uint8)
-        self.e.recv_probed(buf, probe, lambda err, b=buf[:probe.length]: self._on_ctrl(conn_id, b, err))
+        conn = self.e._conns.get(conn_id)
+        entry = [buf[:probe.length], None, False]
+        if conn is not None and not conn.dead:
+            conn.ctrl_in.append(entry)
+        self.e.recv_probed(buf, probe, lambda err: self._ctrl_landed(conn_id, entry, err))
+
+    def _ctrl_landed(self, conn_id: int, entry: list, err) -> None:
+        entry[1], entry[2] = err, True
+        conn = self.e._conns.get(conn_id)
+        if conn is None or conn.dead:
+            return
+        queue = conn.ctrl_in
+        while queue and queue[0][2]:
+            buf, error, _ = queue.popleft()
+            self._on_ctrl(conn_id, buf, error)
 
     def _on_ctrl(self, conn_id: int, buf: np.ndarray, err) -> None:
         conn = self.e._conns.get(conn_id)
