@@ -451,6 +451,45 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
         peer.close()
 
 
+def test_request_layouts_are_described_once_per_connection(env):
+    """A REQ describes the initiator's layout the first time a connection carries it, then names it
+    by id: two local regions of different layouts (NHD, HND) writing alternately to one peer region
+    land byte-exact; a REQ naming an id no earlier REQ described is refused (typed), as is a bad id."""
+    from xfer.errors import InvalidArgumentError
+    from xfer.transports.ucx_conn import Conn
+    from xfer.transports.ucx_proto import Protocol
+
+    conn, proto = Conn(None, 1, outgoing=False), Protocol.__new__(Protocol)
+    nhd = make_kv_cache(KIND, device="meta", **SMALL)[1]
+    assert proto._their_layout(conn, {"lid": 1, "layout": nhd.to_dict()}) == nhd
+    assert proto._their_layout(conn, {"lid": 1}) == nhd
+    with pytest.raises(LayoutMismatchError, match="layout id 2"):
+        proto._their_layout(conn, {"lid": 2})
+    with pytest.raises(InvalidArgumentError, match="layout id 'x'"):
+        proto._their_layout(conn, {"lid": "x", "layout": nhd.to_dict()})
+
+    caches = {k: make_kv_cache(k, **SMALL) for k in (KIND, LayoutKind.VLLM_FLASH_ATTN_HND)}
+    for seed, (tensors, _) in enumerate(caches.values()):
+        fill_random(tensors, seed=30 + seed)
+    peer = UcxPeer("two-layouts", KIND, SMALL)
+    try:
+        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            for kind, (tensors, layout) in caches.items():
+                agent.register(kind.value, tensors, layout)
+            name = agent.connect(peer.metadata)
+            plan = [(KIND, [1, 2], [0, 1]), (LayoutKind.VLLM_FLASH_ATTN_HND, [3, 4], [2, 3]),
+                    (KIND, [5], [4]), (LayoutKind.VLLM_FLASH_ATTN_HND, [6, 7, 8], [5, 6, 7])]
+            for kind, src, dst in plan:
+                agent.write(name, src, dst, region=kind.value, peer_region="kv").wait()
+            remote = peer.tensors()
+            for kind, src, dst in plan:
+                tensors, layout = caches[kind]
+                assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+            assert_untouched(peer.layout, remote, [x for *_, d in plan for x in d])
+    finally:
+        peer.close()
+
+
 # thousands of block ids: a REQ (8 bytes an id) above UCX's eager limit goes by rendezvous
 MANY = dict(num_layers=2, num_blocks=4096, block_size=1, num_heads=1, head_dim=8)
 

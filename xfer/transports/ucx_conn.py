@@ -25,7 +25,8 @@ class Conn:
     """
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
-                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early", "ctrl_in")
+                 "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early", "ctrl_in",
+                 "layout_ids", "layouts")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -44,6 +45,9 @@ class Conn:
         # order, though a big one (a REQ of thousands of ids goes by rendezvous) lands after a
         # small one behind it
         self.ctrl_in: collections.deque = collections.deque()
+        # REQ layouts by per-connection id: sent once, then named (outgoing: ids given; accepted: received)
+        self.layout_ids: dict = {}  # KVLayout -> id (this side's REQs)
+        self.layouts: dict[int, object] = {}  # id -> KVLayout (the peer's REQs)
         self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
         self.hello_out: np.ndarray | None = None
 

@@ -209,7 +209,12 @@ class Protocol:
         conn.flows[id(flow)] = flow
         header = {"k": flow.key, "op": job.op.value, "region": job.peer_region.name, "n": n, "bpc": bpc, "lpc": lpc,
                   "xid": flow.xid, "ttl": max(t.time_left(), 0.0), "tid": t.id, "from": self.ctx.agent_name,
-                  "layout": job.local.layout.to_dict(), "order": sender.inner_order}
+                  "order": sender.inner_order}
+        lid = conn.layout_ids.get(job.local.layout)
+        if lid is None:  # described once per connection (REQs are handled in order), then named
+            lid = conn.layout_ids[job.local.layout] = len(conn.layout_ids) + 1
+            header["layout"] = job.local.layout.to_dict()
+        header["lid"] = lid
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
         t._mark("requested")
         self.e.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
@@ -230,7 +235,7 @@ class Protocol:
             op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
             if region is None:
                 raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
-            theirs = KVLayout.from_dict(h.get("layout"))
+            theirs = self._their_layout(conn, h)
             region.layout.check_compatible(theirs, what=f"initiator {h.get('from')!r}")
             if op is Op.READ and h.get("order") != region.layout.inner_order:
                 raise LayoutMismatchError(f"initiator expects block order {h.get('order')!r}, region {region.name!r} "
@@ -263,6 +268,24 @@ class Protocol:
             if not chunks:
                 self.landed(flow)
         self.e.want(flow)
+
+    def _their_layout(self, conn: Conn, h: dict) -> KVLayout:
+        """The initiator's layout: described in this REQ (kept under its id), or named by an id an
+        earlier REQ of this connection described."""
+        lid = h.get("lid")
+        if not isinstance(lid, int) or isinstance(lid, bool):
+            raise InvalidArgumentError(f"request names layout id {lid!r}, not an int")
+        if "layout" in h:
+            theirs = KVLayout.from_dict(h["layout"])
+            if lid not in conn.layouts and len(conn.layouts) >= wire.LAYOUTS_MAX:
+                raise InvalidArgumentError(f"peer described more than {wire.LAYOUTS_MAX} layouts on one connection")
+            conn.layouts[lid] = theirs
+            return theirs
+        theirs = conn.layouts.get(lid)
+        if theirs is None:
+            raise LayoutMismatchError(f"request names layout id {lid}, which no earlier request on this connection "
+                                      f"described")
+        return theirs
 
     def landed(self, flow: Flow) -> None:
         """Every chunk of a receiving flow is scattered."""

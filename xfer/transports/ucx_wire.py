@@ -32,7 +32,10 @@ from ..errors import InvalidArgumentError, PeerDisconnectedError
 __all__ = ["UcxSettings", "Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data_tag",
            "CTRL_MASK", "HELLO_BYTES", "VERSION"]
 
-VERSION = 2  # 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
+# 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
+# 3: a REQ names its layout by a per-connection id ("lid"); only the first REQ with it carries it
+VERSION = 3
+LAYOUTS_MAX = 1024  # layouts one connection may describe (a peer that sends more is failed)
 MAGIC = b"XFUC"
 HELLO_BYTES = 256
 _HELLO = struct.Struct("!4sHI32s")
