@@ -293,15 +293,18 @@ class KVLayout:
             raise BlockIdError(f"{what} must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
         if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
+            # unique: one sort gives the range and the repeats (a bincount would allocate and scan
+            # num_blocks counters: ~50 µs a call on a 200k-block cache, against ~3 µs)
+            srt = np.sort(arr) if unique and arr.size > 1 else None
+            lo, hi = (int(srt[0]), int(srt[-1])) if srt is not None else (int(arr.min()), int(arr.max()))
             if lo < 0:
                 raise BlockIdError(f"{what} contain negative id {lo}; valid ids are 0..{self.num_blocks - 1}")
             if hi >= self.num_blocks:
                 raise BlockIdError(f"{what} contain id {hi}; layout {self.name} has {self.num_blocks} blocks")
-            if unique:
-                counts = np.bincount(arr, minlength=0)
-                if counts.size and counts.max() > 1:
-                    raise BlockIdError(f"{what} repeat id {int(np.argmax(counts > 1))}; each must appear once")
+            if srt is not None:
+                same = srt[1:] == srt[:-1]
+                if same.any():
+                    raise BlockIdError(f"{what} repeat id {int(srt[1:][same][0])}; each must appear once")
         return arr
 
     def staging(self, num_blocks: int) -> "KVLayout":
