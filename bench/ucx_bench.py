@@ -471,7 +471,8 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
             g = r["gb_per_s"]
             print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['tcp']:9.2f} {g['ucxx']:6.2f} {g['ucxx-default']:9.2f} "
                   f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
-    print(f"path: {results[0]['path']}")
+    for p in dict.fromkeys(r["path"] for r in results):
+        print(f"path: {p} ({', '.join(r['case'] for r in results if r['path'] == p)})")
     if path:
         doc = {"date": dt.datetime.now().isoformat(timespec="seconds"), "link": link,
                "machine": platform.node(), "cores": os.cpu_count(),
@@ -479,9 +480,9 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
                "torch": torch.__version__, "ucxx": ucxx.__version__,
                "ucx": ".".join(map(str, ucxx.get_ucx_version())), **describe_device(device),
                "chunk_bytes": UcxSettings.from_env().chunk_bytes}
+        doc["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "XFER_UCX_"))}
         if cuda:
             doc["ceilings"] = list(CUDA_CEILINGS)
-            doc["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "XFER_UCX_"))}
         Path(path).write_text(json.dumps({**doc, "results": results}, indent=1))
 
 
