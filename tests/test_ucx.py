@@ -486,6 +486,20 @@ def test_request_layouts_are_described_once_per_connection(env):
                 tensors, layout = caches[kind]
                 assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
             assert_untouched(peer.layout, remote, [x for *_, d in plan for x in d])
+        # a REQ refused for another reason still describes its layout to the ones behind it
+        tensors, layout = make_kv_cache(LayoutKind.VLLM_FLASHINFER, **SMALL)
+        fill_random(tensors, seed=33)
+        with Agent("me2", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            assert peer.call("reregister", None) == "ok"  # the peer's kv is gone: the first REQ is refused
+            with pytest.raises(NotRegisteredError, match="has no region 'kv'"):
+                agent.write(name, [1], [0]).wait()
+            assert peer.call("reset") == "ok"  # back, poisoned, same layout
+            agent.write(name, [9, 4], [2, 5]).wait()  # its REQ names the layout by id only
+            remote = peer.tensors()
+            assert_blocks_equal(layout, tensors, [9, 4], peer.layout, remote, [2, 5])
+            assert_untouched(peer.layout, remote, [2, 5])
     finally:
         peer.close()
 

@@ -230,12 +230,12 @@ class Protocol:
         if fresh:
             conn.xid = xid  # chunks of this xid and older ones no longer wait for a REQ
         try:
+            theirs = self._their_layout(conn, h)  # first: later REQs name it even when this one is refused
             if not fresh:
                 raise InvalidArgumentError(f"transfer id {xid!r} is not a new one on this connection")
             op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
             if region is None:
                 raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
-            theirs = self._their_layout(conn, h)
             region.layout.check_compatible(theirs, what=f"initiator {h.get('from')!r}")
             if op is Op.READ and h.get("order") != region.layout.inner_order:
                 raise LayoutMismatchError(f"initiator expects block order {h.get('order')!r}, region {region.name!r} "
