@@ -92,7 +92,7 @@ class Initiator:
         self.same_host = target.get("host_id") == host_id()
         self.peer_device = torch.device(target["device"]) if self.same_host else device
         self.agents: dict[tuple, Agent] = {}
-        self.registered: dict[tuple, int] = {}
+        self.registered: dict[tuple, list] = {}  # (transport, chunk) -> the tensors registered as kv
 
     def close(self) -> None:
         for agent in self.agents.values():
@@ -140,11 +140,13 @@ class Initiator:
             with env:
                 self.agents[key] = Agent(f"xfer-bench-initiator-{len(self.agents)}", cfg)
         agent = self.agents[key]
-        if self.registered.get(key) != id(tensors):
+        # the registered cache itself, not its id(): a later workload's list can reuse a freed one's
+        # id, and the agent would then keep the previous workload's region and layout
+        if self.registered.get(key) is not tensors:
             if key in self.registered:
                 agent.deregister("kv")
             agent.register("kv", tensors, layout)
-            self.registered[key] = id(tensors)
+            self.registered[key] = tensors
         return agent
 
     def one_run(self, w: Workload, tensors, layout, src, dst, expected, transport: str, chunk: int | None,
