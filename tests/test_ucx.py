@@ -603,3 +603,28 @@ def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env, inl
             assert notes == {f"b{k}".encode() for k in range(len(back))}
     finally:
         peer.close()
+
+
+def test_ucx_bench_dry_run_writes_its_record(tmp_path):
+    """bench/ucx_bench.py end to end on its smallest case (verified bytes, then one timed round):
+    the JSON names versions, the UCX environment and each case's path; an unknown case is named."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES="lo")
+    out = tmp_path / "ucx.json"
+    run = subprocess.run([sys.executable, str(root / "bench" / "ucx_bench.py"), "--iters", "1", "--cases",
+                          "32x64x512B", "--json", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["link"] == "loopback" and doc["ucx"] and doc["env"]["UCX_NET_DEVICES"] == "lo"
+    (res,) = doc["results"]
+    assert res["case"] == "32x64x512B" and res["path"].startswith("ucx (host staging")  # 512 B blocks: gathered
+    assert res["xfer_vs_tcp"] > 0 and f"path: {res['path']} (32x64x512B)" in run.stdout
+    bad = subprocess.run([sys.executable, str(root / "bench" / "ucx_bench.py"), "--cases", "2"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "unknown case(s) ['2']" in bad.stderr
