@@ -628,3 +628,27 @@ def test_ucx_bench_dry_run_writes_its_record(tmp_path):
     bad = subprocess.run([sys.executable, str(root / "bench" / "ucx_bench.py"), "--cases", "2"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) ['2']" in bad.stderr
+
+
+def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
+    """UCX calls the close callback inside progress, where the endpoint's handle may already be
+    freed; the connection only fails on the next loop turn. The raw IOV send must not use the
+    handle in between: the chunk ends with PeerDisconnectedError and nothing is sent."""
+    from types import SimpleNamespace
+
+    from xfer.transports.ucx_conn import Conn
+    from xfer.transports.ucx_engine import Engine
+    from xfer.transports.ucx_proto import Protocol
+
+    deferred = []
+    engine = SimpleNamespace(call_soon=lambda fn, *a: deferred.append((fn, a)), conn_failed=None,
+                             iov=SimpleNamespace(send=lambda *a: pytest.fail("sent on a closed endpoint")))
+    proto = Protocol.__new__(Protocol)
+    proto.e = engine
+    conn = Conn(None, 3, outgoing=True, name="gone")
+    proto._ep_closed(conn)
+    assert conn.closed and not conn.dead and len(deferred) == 1  # failing the conn waits for the loop
+    ended = []
+    flow = SimpleNamespace(conn=conn, tid="t1", key=1, sent=lambda slot, err: ended.append((slot, err)))
+    Engine.send_iov(engine, flow, SimpleNamespace(seq=0), "slot", np.zeros((1, 2), dtype=np.uint64))
+    assert ended and ended[0][0] == "slot" and isinstance(ended[0][1], PeerDisconnectedError)

@@ -26,7 +26,7 @@ class Conn:
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
                  "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early", "ctrl_in",
-                 "layout_ids", "layouts")
+                 "layout_ids", "layouts", "closed")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -35,6 +35,7 @@ class Conn:
         self.remote_id = 0
         self.ready = False
         self.dead = False
+        self.closed = False  # UCX reported the endpoint closed (its handle may be gone before ``dead``)
         self.error: Exception | None = None
         self.waiting: list = []
         self.flows: dict[int, object] = {}

@@ -315,8 +315,10 @@ class Engine:
 
     def send_iov(self, flow, chunk, slot, iov: np.ndarray) -> None:
         """Send a chunk straight from the blocks (``iov``: their addresses in staging order)."""
-        if flow.conn.dead:
-            flow.sent(slot, flow.conn.error)
+        if flow.conn.dead or flow.conn.closed:  # a closed endpoint's handle may already be freed
+            flow.sent(slot, flow.conn.error or PeerDisconnectedError(
+                f"UCX endpoint to peer {flow.conn.name!r} closed; transfer {flow.tid or flow.key} reports no "
+                f"block complete"))
             return
         tag = wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq)
         self.track(self.iov.send(flow.conn.ep.handle, iov, tag),

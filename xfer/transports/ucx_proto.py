@@ -68,6 +68,7 @@ class Protocol:
         self.e.track(conn.ep.stream_recv(self.e.ucx.Array(conn.hello_in)), lambda err: self._hello_in(conn, err))
 
     def _ep_closed(self, conn: Conn) -> None:  # called by UCX inside progress: defer
+        conn.closed = True  # at once: no raw (IOV) send may use the endpoint's handle from now on
         self.e.call_soon(self.e.conn_failed, conn, PeerDisconnectedError(
             f"UCX endpoint to peer {conn.name or '?'} at {conn.address or '?'} failed (peer died or the link "
             f"is down); its transfers report no block complete"))
