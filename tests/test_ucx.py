@@ -5,6 +5,7 @@ deadline, cancellation) ending in typed errors with no notification for a partia
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -71,6 +72,22 @@ def slow():
     box[0].close()
 
 
+@contextlib.contextmanager
+def linked(peer: UcxPeer, regions: dict, *, me: str = "src", peer_region: str | None = None):
+    """This process's agent (UCX pinned) with ``regions`` ({name: (tensors, layout)}) registered,
+    connected to ``peer`` (given a poisoned region ``peer_region`` first, when named); yields
+    (agent, the peer's name, peer). The peer process is stopped at the end, whatever happened."""
+    try:
+        if peer_region is not None:
+            peer.metadata = peer.call("region", (peer_region, None))
+        with Agent(me, AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+            for region, (tensors, layout) in regions.items():
+                agent.register(region, tensors, layout)
+            yield agent, agent.connect(peer.metadata), peer
+    finally:
+        peer.close()
+
+
 def test_seed_write_is_byte_exact_and_notifies(local, decode):
     agent, tensors, layout = local
     peer = agent.connect(decode.metadata)
@@ -103,21 +120,15 @@ def test_layouts_convert_on_the_way(env, mine, theirs):
     """Different physical orders (NHD -> HND) and layouts whose blocks are not rows (packed K|V)."""
     tensors, layout = make_kv_cache(mine, **SMALL)
     fill_random(tensors, seed=3)
-    peer = UcxPeer("other", theirs, SMALL)
-    try:
-        with Agent("src", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
-            agent.register("kv", tensors, layout)
-            name = agent.connect(peer.metadata)
-            src, dst = [5, 1, 9, 33], [0, 63, 7, 8]
-            agent.write(name, src, dst).wait()
-            remote = peer.tensors()
-            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
-            assert_untouched(peer.layout, remote, dst)
-            poison(tensors)
-            agent.read(name, dst, [2, 3, 4, 5]).wait()
-            assert_blocks_equal(peer.layout, remote, dst, layout, tensors, [2, 3, 4, 5])
-    finally:
-        peer.close()
+    with linked(UcxPeer("other", theirs, SMALL), {"kv": (tensors, layout)}) as (agent, name, peer):
+        src, dst = [5, 1, 9, 33], [0, 63, 7, 8]
+        agent.write(name, src, dst).wait()
+        remote = peer.tensors()
+        assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        poison(tensors)
+        agent.read(name, dst, [2, 3, 4, 5]).wait()
+        assert_blocks_equal(peer.layout, remote, dst, layout, tensors, [2, 3, 4, 5])
 
 
 def test_many_concurrent_small_requests_to_two_peers(local, decodes):
@@ -427,28 +438,22 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
         monkeypatch.setenv(k, v)
     tensors, layout = make_kv_cache(KIND, **SEED)
     fill_random(tensors, seed=13)
-    peer = UcxPeer("iov", KIND, SEED, seed=14, env=both)
-    try:
-        peer.metadata = peer.call("region", ("dst", None))
-        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
-            agent.register("kv", tensors, layout)
-            name = agent.connect(peer.metadata)
-            src, dst = list(range(0, 256, 2)), list(range(128, 256))[::-1]
-            t = agent.write(name, src, dst, peer_region="dst", notify=b"iov")
-            t.wait()
-            assert ("sent in place" in t.path) == (iov == "on"), t.path
-            remote = peer.tensors("dst")
-            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
-            assert_untouched(peer.layout, remote, dst)
-            poison(tensors)
-            pulled, into = list(range(1, 256, 2)), list(range(128))
-            agent.read(name, pulled, into, peer_region="kv").wait()
-            exp = expected_blocks(KIND, SEED, 14, pulled)
-            for a, b in zip(exp, block_bytes(layout, tensors, into)):
-                assert np.array_equal(a, b), "blocks read from the peer differ from its source"
-            assert_untouched(layout, tensors, into)
-    finally:
-        peer.close()
+    with linked(UcxPeer("iov", KIND, SEED, seed=14, env=both), {"kv": (tensors, layout)}, me="me",
+                peer_region="dst") as (agent, name, peer):
+        src, dst = list(range(0, 256, 2)), list(range(128, 256))[::-1]
+        t = agent.write(name, src, dst, peer_region="dst", notify=b"iov")
+        t.wait()
+        assert ("sent in place" in t.path) == (iov == "on"), t.path
+        remote = peer.tensors("dst")
+        assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        poison(tensors)
+        pulled, into = list(range(1, 256, 2)), list(range(128))
+        agent.read(name, pulled, into, peer_region="kv").wait()
+        exp = expected_blocks(KIND, SEED, 14, pulled)
+        for a, b in zip(exp, block_bytes(layout, tensors, into)):
+            assert np.array_equal(a, b), "blocks read from the peer differ from its source"
+        assert_untouched(layout, tensors, into)
 
 
 def test_request_layouts_are_described_once_per_connection(env):
@@ -515,28 +520,22 @@ def test_a_big_request_then_small_ones_all_land_in_order(env):
     messages are now handled in arrival order: all land byte-exact and notify."""
     tensors, layout = make_kv_cache(KIND, **MANY)
     fill_random(tensors, seed=17)
-    peer = UcxPeer("many", KIND, MANY)
-    try:
-        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
-            agent.register("kv", tensors, layout)
-            name = agent.connect(peer.metadata)
-            rng = np.random.default_rng(3)
-            perm = rng.permutation(4096)
-            big_src, big_dst = rng.integers(0, 4096, 3000).tolist(), perm[:3000].tolist()
-            small = [([int(s)], [int(d)]) for s, d in zip(rng.integers(0, 4096, 5), perm[3000:3005])]
-            ts = [agent.write(name, big_src, big_dst, notify=b"big")]
-            ts += [agent.write(name, s, d, notify=f"s{k}".encode()) for k, (s, d) in enumerate(small)]
-            for t in ts:
-                t.wait()
-            remote = peer.tensors()
-            src = big_src + [x for s, _ in small for x in s]
-            dst = big_dst + [x for _, d in small for x in d]
-            assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
-            assert_untouched(peer.layout, remote, dst)
-            notes = peer.call("notifications")
-            assert sorted(n[3] for n in notes) == sorted([b"big"] + [f"s{k}".encode() for k in range(5)])
-    finally:
-        peer.close()
+    with linked(UcxPeer("many", KIND, MANY), {"kv": (tensors, layout)}, me="me") as (agent, name, peer):
+        rng = np.random.default_rng(3)
+        perm = rng.permutation(4096)
+        big_src, big_dst = rng.integers(0, 4096, 3000).tolist(), perm[:3000].tolist()
+        small = [([int(s)], [int(d)]) for s, d in zip(rng.integers(0, 4096, 5), perm[3000:3005])]
+        ts = [agent.write(name, big_src, big_dst, notify=b"big")]
+        ts += [agent.write(name, s, d, notify=f"s{k}".encode()) for k, (s, d) in enumerate(small)]
+        for t in ts:
+            t.wait()
+        remote = peer.tensors()
+        src = big_src + [x for s, _ in small for x in s]
+        dst = big_dst + [x for _, d in small for x in d]
+        assert_blocks_equal(layout, tensors, src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        notes = peer.call("notifications")
+        assert sorted(n[3] for n in notes) == sorted([b"big"] + [f"s{k}".encode() for k in range(5)])
 
 
 # small rendezvous chunks, a two-slot ring: every chunk of 8 KiB goes by rendezvous (UCX_RNDV_THRESH=4k)
@@ -558,51 +557,45 @@ def test_concurrent_rendezvous_both_ways_with_a_small_ring(monkeypatch, env, inl
     fill_random(src, seed=21)
     dst, dst_layout = make_kv_cache(KIND, **RING)
     poison(dst)
-    peer = UcxPeer("ring", KIND, RING, seed=22, env=ring_env)  # its kv: the source of its writes
-    try:
-        peer.metadata = peer.call("region", ("dst", None))
-        with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
-            agent.register("src", src, src_layout)
-            agent.register("dst", dst, dst_layout)
-            name = agent.connect(peer.metadata)
-            assert peer.call("connect", agent.metadata()) == "me"
-            rng = np.random.default_rng(5)
-            mine, theirs = rng.permutation(256), rng.permutation(256)
-            out, back, pulls = [], [], []  # (src ids, dst ids): 1-8 blocks each, disjoint destinations
-            for plan, perm, count, at in ((out, mine, 24, 0), (back, theirs, 24, 0), (pulls, theirs, 8, 120)):
-                for _ in range(count):
-                    n = int(rng.integers(1, 9))
-                    plan.append((rng.integers(0, 256, n).tolist(), perm[at:at + n].tolist()))
-                    at += n
-            assert sum(len(d) for _, d in back) <= 120
-            # 24 writes each way and 8 reads (the peer sends those too), all in flight together
-            peer.call("post", [("write", "me", s, d, 15, f"b{k}".encode(), "dst", "kv")
-                               for k, (s, d) in enumerate(back)])
-            mine_t = [agent.write(name, s, d, region="src", peer_region="dst", timeout=15, notify=f"o{k}".encode())
-                      for k, (s, d) in enumerate(out)]
-            mine_t += [agent.read(name, s, d, region="dst", peer_region="kv", timeout=15) for s, d in pulls]
-            errs = []
-            for t in mine_t:
-                try:
-                    t.wait()
-                except Exception as exc:
-                    errs.append(repr(exc))
-            theirs_res = peer.call("wait", timeout=30)
-            assert not errs and all(r[0] == "ok" for r in theirs_res), (errs[:3], [r for r in theirs_res if r[0] != "ok"][:3])
-            remote = peer.tensors("dst")
-            for s, d in out:
-                assert_blocks_equal(src_layout, src, s, peer.layout, remote, d)
-            assert_untouched(peer.layout, remote, [x for _, d in out for x in d])
-            landed = back + pulls  # both from the peer's kv (seed 22) into my dst
-            exp = expected_blocks(KIND, RING, 22, [x for s, _ in landed for x in s])
-            got = block_bytes(dst_layout, dst, [x for _, d in landed for x in d])
-            for a, b in zip(exp, got):
-                assert np.array_equal(a, b), "blocks from the peer differ from its source"
-            assert_untouched(dst_layout, dst, [x for _, d in landed for x in d])
-            notes = {n.payload for n in agent.notifications()}
-            assert notes == {f"b{k}".encode() for k in range(len(back))}
-    finally:
-        peer.close()
+    ring = UcxPeer("ring", KIND, RING, seed=22, env=ring_env)  # its kv: the source of its writes
+    with linked(ring, {"src": (src, src_layout), "dst": (dst, dst_layout)}, me="me",
+                peer_region="dst") as (agent, name, peer):
+        assert peer.call("connect", agent.metadata()) == "me"
+        rng = np.random.default_rng(5)
+        mine, theirs = rng.permutation(256), rng.permutation(256)
+        out, back, pulls = [], [], []  # (src ids, dst ids): 1-8 blocks each, disjoint destinations
+        for plan, perm, count, at in ((out, mine, 24, 0), (back, theirs, 24, 0), (pulls, theirs, 8, 120)):
+            for _ in range(count):
+                n = int(rng.integers(1, 9))
+                plan.append((rng.integers(0, 256, n).tolist(), perm[at:at + n].tolist()))
+                at += n
+        assert sum(len(d) for _, d in back) <= 120
+        # 24 writes each way and 8 reads (the peer sends those too), all in flight together
+        peer.call("post", [("write", "me", s, d, 15, f"b{k}".encode(), "dst", "kv")
+                           for k, (s, d) in enumerate(back)])
+        mine_t = [agent.write(name, s, d, region="src", peer_region="dst", timeout=15, notify=f"o{k}".encode())
+                  for k, (s, d) in enumerate(out)]
+        mine_t += [agent.read(name, s, d, region="dst", peer_region="kv", timeout=15) for s, d in pulls]
+        errs = []
+        for t in mine_t:
+            try:
+                t.wait()
+            except Exception as exc:
+                errs.append(repr(exc))
+        theirs_res = peer.call("wait", timeout=30)
+        assert not errs and all(r[0] == "ok" for r in theirs_res), (errs[:3], [r for r in theirs_res if r[0] != "ok"][:3])
+        remote = peer.tensors("dst")
+        for s, d in out:
+            assert_blocks_equal(src_layout, src, s, peer.layout, remote, d)
+        assert_untouched(peer.layout, remote, [x for _, d in out for x in d])
+        landed = back + pulls  # both from the peer's kv (seed 22) into my dst
+        exp = expected_blocks(KIND, RING, 22, [x for s, _ in landed for x in s])
+        got = block_bytes(dst_layout, dst, [x for _, d in landed for x in d])
+        for a, b in zip(exp, got):
+            assert np.array_equal(a, b), "blocks from the peer differ from its source"
+        assert_untouched(dst_layout, dst, [x for _, d in landed for x in d])
+        notes = {n.payload for n in agent.notifications()}
+        assert notes == {f"b{k}".encode() for k in range(len(back))}
 
 
 def test_ucx_bench_dry_run_writes_its_record(tmp_path):
