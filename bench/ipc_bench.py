@@ -5,8 +5,10 @@
 Migrates 64 layers x K/V x 128 of 256 blocks x 32 KiB through the xfer API (call -> bytes in the
 decode process's blocks -> notification delivered -> acknowledged), after verifying the bytes,
 beside the same-bytes contiguous device copy measured in the same run. Also: back-to-back
-transfers (throughput with completion round trips overlapped), pull, and the latency of a
-1-block request across all layers.
+transfers (throughput with completion round trips overlapped; request i lands in the i-th of 8
+free block sets of the decode cache, in turn, as a decode instance places a stream of requests;
+verified once before timing), the same with launches not merged (``OneSidedTransport`` merging
+off, same run), pull, and the latency of a 1-block request across all layers.
 
 Then (``copy_paths`` in the JSON; ``--no-copy-paths`` skips it) the Triton kernel against the
 copy engines (``cudaMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, one ``cudaMemcpyAsync`` per run)
@@ -141,7 +143,7 @@ def copy_paths_section(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
+    from xfer import Agent, AgentConfig, LayoutKind, TransportKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
 
     p = argparse.ArgumentParser(prog="xfer-ipc-bench")
@@ -159,7 +161,9 @@ def main(argv=None) -> dict:
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
     dev = f"cuda:{args.device}"
     torch.cuda.set_device(args.device)
-    target = Target(kind, dims, f"cuda:{args.peer_device}")
+    # the decode side holds 8 request's worth of free blocks: a stream of requests lands each in
+    # its own blocks, as a decode instance places them (merged launches need disjoint blocks)
+    target = Target(kind, {**dims, "num_blocks": 8 * 128}, f"cuda:{args.peer_device}")
     rows = []
     try:
         tensors, layout = make_kv_cache(kind, device=dev, **dims)
@@ -218,10 +222,18 @@ def main(argv=None) -> dict:
                 t.wait()
                 timelines.append(t.timeline())
 
-            def burst(k=8):
-                ts = [agent.write(peer, src, dst) for _ in range(k)]
+            sets = [np.arange(128 * j, 128 * (j + 1))[::-1].copy() for j in range(8)]
+
+            def burst(k=8):  # request i lands in the i-th of 8 free block sets, in turn
+                ts = [agent.write(peer, src, sets[i % 8]) for i in range(k)]
                 for t in ts:
                     t.wait()
+
+            ipc = agent.transports[TransportKind.IPC]
+            burst(16)  # verified once before it is timed: every set holds the source blocks
+            got = [target.call("check", d.tolist()) for d in sets]
+            if any(digest != block_digests(layout, tensors, src) for digest, _ in got):
+                raise SystemExit("ipc bench: a back-to-back burst left bytes that differ from the source")
 
             def pull():
                 agent.read(peer, dst, src).wait()
@@ -243,6 +255,16 @@ def main(argv=None) -> dict:
             # a longer stream: the first request's latency (~3 copies' worth) weighs 1/32, not 1/8
             ms, p99 = median_ms(lambda: burst(32), max(3, args.iters // 6))
             rows.append({"name": "xfer write, 32 back to back (per request)", "ms": ms / 32, "p99_ms": p99 / 32})
+            ms, p99 = median_ms(lambda: burst(128), max(3, args.iters // 10))
+            rows.append({"name": "xfer write, 128 back to back (per request)", "ms": ms / 128, "p99_ms": p99 / 128})
+            merging, ipc._merge = ipc._merge, False  # the same streams, every request launched alone
+            try:
+                for k in (8, 32):
+                    ms, p99 = median_ms(lambda: burst(k), max(3, args.iters // 6))
+                    rows.append({"name": f"xfer write, {k} back to back, launches not merged", "ms": ms / k,
+                                 "p99_ms": p99 / k})
+            finally:
+                ipc._merge = merging
             ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
