@@ -165,6 +165,7 @@ class ControlClient:
     def __init__(self, address: tuple[str, int], peer: str, connect_timeout: float, auth=None):
         self.address, self.peer, self._connect_timeout, self._auth = address, peer, connect_timeout, auth
         self._sock: socket.socket | None = None
+        self._rest = b""  # bytes received past the part of a reply read so far
         self._lock = threading.Lock()
         self._closed = False
 
@@ -174,6 +175,7 @@ class ControlClient:
             self._reset()
 
     def _reset(self) -> None:
+        self._rest = b""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -199,8 +201,8 @@ class ControlClient:
                 hlen, plen = _FRAME.unpack(self._recv_exact(_FRAME.size, deadline))
                 if hlen > MAX_HEADER:
                     raise PeerDisconnectedError(f"peer {self.peer!r} sent a {hlen}-byte control header")
-                reply = json.loads(self._recv_exact(hlen, deadline))
-                rpayload = self._recv_exact(plen, deadline)
+                body = self._recv_exact(hlen + plen, deadline)
+                reply, rpayload = json.loads(body[:hlen]), body[hlen:]
                 if self._auth is not None:
                     if reply.get("error") == "AuthenticationError" and "mac" not in reply:
                         raise AuthenticationError(f"peer {self.peer!r} rejected us: {reply.get('message')}")
@@ -227,12 +229,20 @@ class ControlClient:
         self._sock.settimeout(left)
 
     def _recv_exact(self, n: int, deadline: float) -> bytes:
+        """``n`` bytes of the reply stream. Reads take what has arrived (a small reply's frame and
+        body in one call); bytes past ``n`` wait in ``_rest`` for the next read of this reply."""
         chunks, got = [], 0
+        if self._rest:
+            head, self._rest = self._rest[:n], self._rest[n:]
+            chunks.append(head)
+            got = len(head)
         while got < n:
             self._settimeout(deadline)
-            data = self._sock.recv(min(n - got, 1 << 20))
+            data = self._sock.recv(max(n - got, 1 << 16))
             if not data:
                 raise ConnectionError("connection closed by peer")
+            if got + len(data) > n:
+                data, self._rest = data[:n - got], data[n - got:]
             chunks.append(data)
             got += len(data)
-        return b"".join(chunks)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
