@@ -1,6 +1,7 @@
 """The Agent API in one process: every layout, write and read, bad input before any byte moves,
 deadlines, cancellation, transport pinning and close."""
 
+import dataclasses
 import threading
 import time
 
@@ -440,16 +441,28 @@ def test_queued_stream_launches_are_merged_in_order(pair, monkeypatch):
     monkeypatch.setattr(onesided.OneSidedTransport, "_mergeable",
                         lambda self, job: self._launches_async(job))
     monkeypatch.setattr(LocalTransport, "stream", lambda self, job: None if job.notify == b"held" else stream)
+
+    class Pending:  # the caller's stream work w5 is ordered after has not finished yet
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    real_post = LocalTransport.post
+    monkeypatch.setattr(LocalTransport, "post", lambda self, job: real_post(
+        self, dataclasses.replace(job, ready=Pending()) if job.notify == b"w5" else job))
     held = pair.a.write(pair.peer, [0], [0], notify=b"held")  # a host copy: the worker's, held at launch
-    writes = [([1], [1]), ([2, 3], [2, 3]), ([4], [5]), ([5], [3]), ([6], [6])]  # the 4th rewrites block 3
+    # the 4th rewrites block 3; the 6th waits for its caller's stream
+    writes = [([1], [1]), ([2, 3], [2, 3]), ([4], [5]), ([5], [3]), ([6], [6]), ([7], [7])]
     ts = [pair.a.write(pair.peer, s, d, notify=b"w%d" % i) for i, (s, d) in enumerate(writes)]
     time.sleep(0.1)
     assert not any(t.poll().terminal for t in [held, *ts])
     gate.set()
     for t in [held, *ts]:
         t.wait()
-    assert launches == [[b"held"], [b"w0", b"w1", b"w2"], [b"w3", b"w4"]]
-    assert [n.payload for n in pair.b.notifications()] == [b"held", b"w0", b"w1", b"w2", b"w3", b"w4"]
+    assert launches == [[b"held"], [b"w0", b"w1", b"w2"], [b"w3", b"w4"], [b"w5"]]
+    assert [n.payload for n in pair.b.notifications()] == [b"held", b"w0", b"w1", b"w2", b"w3", b"w4", b"w5"]
     assert all(t.poll() is TransferState.DONE for t in ts)
-    assert_blocks_equal(pair.la, pair.ta, [0, 1, 2, 4, 5, 6], pair.lb, pair.tb, [0, 1, 2, 5, 3, 6])
-    assert_untouched(pair.lb, pair.tb, [0, 1, 2, 3, 5, 6])
+    assert_blocks_equal(pair.la, pair.ta, [0, 1, 2, 4, 5, 6, 7], pair.lb, pair.tb, [0, 1, 2, 5, 3, 6, 7])
+    assert_untouched(pair.lb, pair.tb, [0, 1, 2, 3, 5, 6, 7])

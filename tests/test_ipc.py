@@ -221,9 +221,11 @@ def test_queued_writes_are_merged_and_the_last_write_of_a_block_wins(monkeypatch
             agent.register("kv", tensors, layout)
             name = agent.connect(peer.metadata)
             agent.write(name, [0], [255]).wait()  # maps the peer; block 255 is checked below too
-            torch.cuda._sleep(200_000_000)  # the caller's stream is busy: the first launches stay queued
+            torch.cuda._sleep(200_000_000)  # the caller's stream is busy: the first write's copy waits for it
             writes = [([4 * i + k for k in range(4)], [128 + (4 * i + k) % 40 for k in range(4)]) for i in range(24)]
-            ts = [agent.write(name, s, d, notify=b"%d" % i) for i, (s, d) in enumerate(writes)]
+            # the rest need no ordering (the first write above waited for the fill): they queue behind it
+            ts = [agent.write(name, s, d, notify=b"%d" % i, after="stream" if i == 0 else None)
+                  for i, (s, d) in enumerate(writes)]
             for t in ts:
                 t.wait()
             last = {}

@@ -13,7 +13,8 @@ Merged launches (transports with ``merges``: ``ipc``). When ``XFER_MERGE_AHEAD``
 already queued on the copy stream, a later post does not launch: the worker waits until the
 stream has room and then launches every transfer queued behind it to the same peer region, in the
 same direction, as ONE copy (up to ``XFER_MERGE_MAX_BLOCKS``, 8192 blocks), as long as no two of
-them write the same block (a later transfer's write must land after an earlier one's). Each
+them write the same block (a later transfer's write must land after an earlier one's) and none
+but the first still waits for its caller's stream (``after``). Each
 transfer keeps its own ids, deadline, cancellation and notification; their notices go in one
 message. Under load the host then spends one launch and one round trip on many transfers, and
 the GPU always has the next launch queued. ``XFER_MERGE_AHEAD=0`` turns this off."""
@@ -226,7 +227,10 @@ class OneSidedTransport(Transport):
                         nxt = self._jobs.get_nowait()
                     except queue.Empty:
                         break
-                    if nxt is None or not self._mergeable(nxt) or not joins(batch, written, nxt):
+                    # a job still waiting for its caller's work would hold up every copy merged
+                    # with it (unmerged, the ones before it run meanwhile): it starts the next launch
+                    if nxt is None or not self._mergeable(nxt) or not joins(batch, written, nxt) or \
+                            (nxt.ready is not None and not nxt.ready.query()):
                         carry = nxt  # launched next, in order
                         break
                     batch.append(nxt)
