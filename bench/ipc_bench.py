@@ -6,9 +6,9 @@ Migrates 64 layers x K/V x 128 of 256 blocks x 32 KiB through the xfer API (call
 decode process's blocks -> notification delivered -> acknowledged), after verifying the bytes,
 beside the same-bytes contiguous device copy measured in the same run. Also: back-to-back
 transfers (throughput with completion round trips overlapped; request i lands in the i-th of 8
-free block sets of the decode cache, in turn, as a decode instance places a stream of requests;
-verified once before timing), the same with launches not merged (``OneSidedTransport`` merging
-off, same run), pull, and the latency of a 1-block request across all layers.
+block sets of the prefill cache into the i-th of 8 free sets of the decode cache, in turn, as
+engines place a stream of requests; verified once before timing), pull, and the latency of a
+1-block request across all layers.
 
 Then (``copy_paths`` in the JSON; ``--no-copy-paths`` skips it) the Triton kernel against the
 copy engines (``cudaMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, one ``cudaMemcpyAsync`` per run)
@@ -143,7 +143,7 @@ def copy_paths_section(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    from xfer import Agent, AgentConfig, LayoutKind, TransportKind, make_kv_cache
+    from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
 
     p = argparse.ArgumentParser(prog="xfer-ipc-bench")
@@ -161,12 +161,13 @@ def main(argv=None) -> dict:
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
     dev = f"cuda:{args.device}"
     torch.cuda.set_device(args.device)
-    # the decode side holds 8 request's worth of free blocks: a stream of requests lands each in
-    # its own blocks, as a decode instance places them (merged launches need disjoint blocks)
-    target = Target(kind, {**dims, "num_blocks": 8 * 128}, f"cuda:{args.peer_device}")
+    # both caches hold 8 requests' worth of blocks: in a stream, request i moves its own blocks
+    # (the i-th of 8 sets) into its own free blocks, as engines place them
+    cache = {**dims, "num_blocks": 8 * 128}
+    target = Target(kind, cache, f"cuda:{args.peer_device}")
     rows = []
     try:
-        tensors, layout = make_kv_cache(kind, device=dev, **dims)
+        tensors, layout = make_kv_cache(kind, device=dev, **cache)
         gen = torch.Generator(device=dev).manual_seed(0)
         for t in tensors:
             t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8,
@@ -192,7 +193,7 @@ def main(argv=None) -> dict:
 
             from xfer.kernels import copy_blocks
 
-            local2, _ = make_kv_cache(kind, device=dev, **dims)
+            local2, _ = make_kv_cache(kind, device=dev, **cache)
             ms, p99 = median_ms(lambda: copy_blocks(layout, tensors, src, layout, local2, dst), args.iters)
             rows.append({"name": "copy_blocks in one process (the kernel + its host call)", "ms": ms, "p99_ms": p99})
             t0 = time.perf_counter()
@@ -222,17 +223,17 @@ def main(argv=None) -> dict:
                 t.wait()
                 timelines.append(t.timeline())
 
-            sets = [np.arange(128 * j, 128 * (j + 1))[::-1].copy() for j in range(8)]
+            srcs = [np.arange(128 * j, 128 * (j + 1)) for j in range(8)]
+            sets = [s[::-1].copy() for s in srcs]
 
-            def burst(k=8):  # request i lands in the i-th of 8 free block sets, in turn
-                ts = [agent.write(peer, src, sets[i % 8]) for i in range(k)]
+            def burst(k=8):  # request i moves the i-th of 8 block sets into the i-th free set, in turn
+                ts = [agent.write(peer, srcs[i % 8], sets[i % 8]) for i in range(k)]
                 for t in ts:
                     t.wait()
 
-            ipc = agent.transports[TransportKind.IPC]
-            burst(16)  # verified once before it is timed: every set holds the source blocks
+            burst(16)  # verified once before it is timed: every set holds its source blocks
             got = [target.call("check", d.tolist()) for d in sets]
-            if any(digest != block_digests(layout, tensors, src) for digest, _ in got):
+            if any(digest != block_digests(layout, tensors, s) for (digest, _), s in zip(got, srcs)):
                 raise SystemExit("ipc bench: a back-to-back burst left bytes that differ from the source")
 
             def pull():
@@ -257,14 +258,6 @@ def main(argv=None) -> dict:
             rows.append({"name": "xfer write, 32 back to back (per request)", "ms": ms / 32, "p99_ms": p99 / 32})
             ms, p99 = median_ms(lambda: burst(128), max(3, args.iters // 10))
             rows.append({"name": "xfer write, 128 back to back (per request)", "ms": ms / 128, "p99_ms": p99 / 128})
-            merging, ipc._merge = ipc._merge, False  # the same streams, every request launched alone
-            try:
-                for k in (8, 32):
-                    ms, p99 = median_ms(lambda: burst(k), max(3, args.iters // 6))
-                    rows.append({"name": f"xfer write, {k} back to back, launches not merged", "ms": ms / k,
-                                 "p99_ms": p99 / k})
-            finally:
-                ipc._merge = merging
             ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
@@ -285,8 +278,8 @@ def main(argv=None) -> dict:
         "bench": "ipc", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(args.device), "peer_device": args.peer_device,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
-        "workload": {**dims, "layout": kind, "blocks_moved": len(src), "slice_bytes": layout.block_nbytes,
-                     "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
+        "workload": {**dims, "cache_blocks": cache["num_blocks"], "layout": kind, "blocks_moved": len(src),
+                     "slice_bytes": layout.block_nbytes, "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
         "route": str(route), "transfer_path": transfer_path, "verified": verified, "rows": rows,
         "one_block_request": {"slices": layout.num_slots, "bytes": layout.bytes_per_block,
                               "p50_ms": lat_ms, "p99_ms": lat_p99},

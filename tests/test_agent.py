@@ -1,7 +1,6 @@
 """The Agent API in one process: every layout, write and read, bad input before any byte moves,
 deadlines, cancellation, transport pinning and close."""
 
-import dataclasses
 import threading
 import time
 
@@ -389,80 +388,3 @@ def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair,
     pair.a.write(pair.peer, [5], [5], notify=b"again").wait()  # nothing queued: the poster launches again
     assert launched[-1] == (b"again", me)
     assert_untouched(pair.lb, pair.tb, [1, 5, 6])
-
-
-def test_merge_joins_only_disjoint_writes_of_one_route(monkeypatch):
-    """``joins``: same peer region, local region and direction; under the block cap; and no block
-    written twice (a later write of a block must land after an earlier one's)."""
-    from types import SimpleNamespace as NS
-
-    from xfer.transports import onesided
-
-    peer, other = NS(metadata=NS(agent_id="p")), NS(metadata=NS(agent_id="q"))
-    region, local = NS(name="kv"), object()
-
-    def job(peer_ids, op=Op.WRITE, to=peer, mine=local):
-        ids = np.asarray(peer_ids, dtype=np.int64)
-        return NS(peer=to, peer_region=region, local=mine, op=op, peer_ids=ids, local_ids=ids + 100)
-
-    first = job([1, 2])
-    batch, written = [first], set(onesided.written_ids(first).tolist())
-    assert onesided.joins(batch, written, job([3, 4]))
-    assert not onesided.joins(batch, written, job([2, 5]))  # block 2 written twice
-    assert not onesided.joins(batch, written, job([3], to=other))
-    assert not onesided.joins(batch, written, job([3], op=Op.READ))
-    assert not onesided.joins(batch, written, job([3], mine=object()))
-    read = job([1], op=Op.READ)  # a READ writes its local blocks
-    assert onesided.written_ids(read).tolist() == [101]
-    assert not onesided.joins([read], {101}, NS(**{**vars(job([0], op=Op.READ)), "local_ids": np.asarray([101])}))
-    monkeypatch.setattr(onesided, "MERGE_MAX_BLOCKS", 3)
-    assert not onesided.joins(batch, written, job([3, 4]))  # 2 + 2 blocks > 3
-
-
-def test_queued_stream_launches_are_merged_in_order(pair, monkeypatch):
-    """Posts queued behind a launch go out as ONE copy per run of transfers that can join
-    (same route, no block written twice); each transfer still ends on its own, with its own
-    notification and payload, in posting order, and a later write of a block lands last."""
-    from xfer.transports import onesided
-    from xfer.transports.local import LocalTransport
-
-    launches, gate, stream = [], threading.Event(), object()
-    real_launch = onesided.OneSidedTransport._launch
-
-    def launch(self, job, merged=None):
-        if job.notify == b"held":
-            assert gate.wait(10)
-        launches.append([j.notify for j in (merged or [job])])
-        return real_launch(self, job, merged)
-
-    transport = pair.a.transports[TransportKindAlias.LOCAL]
-    monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
-    monkeypatch.setattr(transport, "_merge", True)  # local: the two sides may share memory; here they do not
-    monkeypatch.setattr(onesided.OneSidedTransport, "_mergeable",
-                        lambda self, job: self._launches_async(job))
-    monkeypatch.setattr(LocalTransport, "stream", lambda self, job: None if job.notify == b"held" else stream)
-
-    class Pending:  # the caller's stream work w5 is ordered after has not finished yet
-        def query(self):
-            return False
-
-        def synchronize(self):
-            pass
-
-    real_post = LocalTransport.post
-    monkeypatch.setattr(LocalTransport, "post", lambda self, job: real_post(
-        self, dataclasses.replace(job, ready=Pending()) if job.notify == b"w5" else job))
-    held = pair.a.write(pair.peer, [0], [0], notify=b"held")  # a host copy: the worker's, held at launch
-    # the 4th rewrites block 3; the 6th waits for its caller's stream
-    writes = [([1], [1]), ([2, 3], [2, 3]), ([4], [5]), ([5], [3]), ([6], [6]), ([7], [7])]
-    ts = [pair.a.write(pair.peer, s, d, notify=b"w%d" % i) for i, (s, d) in enumerate(writes)]
-    time.sleep(0.1)
-    assert not any(t.poll().terminal for t in [held, *ts])
-    gate.set()
-    for t in [held, *ts]:
-        t.wait()
-    assert launches == [[b"held"], [b"w0", b"w1", b"w2"], [b"w3", b"w4"], [b"w5"]]
-    assert [n.payload for n in pair.b.notifications()] == [b"held", b"w0", b"w1", b"w2", b"w3", b"w4", b"w5"]
-    assert all(t.poll() is TransferState.DONE for t in ts)
-    assert_blocks_equal(pair.la, pair.ta, [0, 1, 2, 4, 5, 6, 7], pair.lb, pair.tb, [0, 1, 2, 5, 3, 6, 7])
-    assert_untouched(pair.lb, pair.tb, [0, 1, 2, 3, 5, 6, 7])

@@ -200,49 +200,6 @@ def test_seed_case_full_size_and_concurrency():
 
 @gpu
 @needs_cuda
-def test_queued_writes_are_merged_and_the_last_write_of_a_block_wins(monkeypatch):
-    """Writes posted while two launches are queued on the copy stream go out merged (one copy per
-    run of writes with no block in common); the decode blocks end with each block's LAST write, the
-    rest still poisoned, and every write gets its own notification, in posting order."""
-    from xfer.bench.target import block_digests
-    from xfer.transports import onesided
-
-    batches = []
-    real = onesided.OneSidedTransport._start_batch
-    monkeypatch.setattr(onesided.OneSidedTransport, "_start_batch",
-                        lambda self, batch: (batches.append(len(batch)), real(self, batch))[1])
-    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
-    dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # 32 KiB slices
-    peer = PeerProcess("decode", kind, dims, device="cuda:0")
-    try:
-        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
-        fill_random(tensors, seed=5)
-        with Agent("prefill") as agent:
-            agent.register("kv", tensors, layout)
-            name = agent.connect(peer.metadata)
-            agent.write(name, [0], [255]).wait()  # maps the peer; block 255 is checked below too
-            torch.cuda._sleep(200_000_000)  # the caller's stream is busy: the first write's copy waits for it
-            writes = [([4 * i + k for k in range(4)], [128 + (4 * i + k) % 40 for k in range(4)]) for i in range(24)]
-            # the rest need no ordering (the first write above waited for the fill): they queue behind it
-            ts = [agent.write(name, s, d, notify=b"%d" % i, after="stream" if i == 0 else None)
-                  for i, (s, d) in enumerate(writes)]
-            for t in ts:
-                t.wait()
-            last = {}
-            for s, d in writes:
-                last.update(zip(d, s))
-            dst = sorted(last)
-            digests, clean = peer.call("digests", dst + [255], timeout=120)
-            assert clean and digests == block_digests(layout, tensors, [last[d] for d in dst] + [0])
-            notes = peer.call("drain")
-            assert [n[0] for n in notes[-24:]] == [t.id for t in ts]
-        assert batches and max(batches) > 1, batches  # the queued writes were merged
-    finally:
-        peer.close()
-
-
-@gpu
-@needs_cuda
 def test_killed_peer_ends_with_typed_error_by_deadline():
     kind = LayoutKind.VLLM_FLASH_ATTN_HND
     dims = dict(num_layers=32, num_blocks=64, block_size=16, num_heads=8, head_dim=128)

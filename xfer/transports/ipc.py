@@ -60,7 +60,7 @@ def _uuid(index: int) -> str:
 class IpcTransport(OneSidedTransport):
     kind = TransportKind.IPC
     describe_copy = True  # Transfer.path: "ipc (copy: <CopyPath value>; <why>)"
-    merges = True  # the peer's blocks are another process's memory: queued launches may be merged
+    spin_wait = True  # its copies wait for nothing but the caller's stream
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

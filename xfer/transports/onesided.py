@@ -7,27 +7,16 @@ Copies queued on a CUDA stream are launched by the posting thread itself when no
 earlier is still waiting to launch (a launch is asynchronous and takes ~0.1 ms of host time;
 handing it to a thread costs a wake-up and, under load, the GIL); otherwise, and for copies
 that run on the host in chunks (checking the deadline, cancellation and the peer's liveness
-between chunks), a worker thread launches them in posting order.
-
-Merged launches (transports with ``merges``: ``ipc``). When ``XFER_MERGE_AHEAD`` (2) launches are
-already queued on the copy stream, a later post does not launch: the worker waits until the
-stream has room and then launches every transfer queued behind it to the same peer region, in the
-same direction, as ONE copy (up to ``XFER_MERGE_MAX_BLOCKS``, 8192 blocks), as long as no two of
-them write the same block (a later transfer's write must land after an earlier one's) and none
-but the first still waits for its caller's stream (``after``). Each
-transfer keeps its own ids, deadline, cancellation and notification; their notices go in one
-message. Under load the host then spends one launch and one round trip on many transfers, and
-the GPU always has the next launch queued. ``XFER_MERGE_AHEAD=0`` turns this off."""
+between chunks), a worker thread launches them in posting order."""
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import threading
+import time
 from abc import abstractmethod
 
-import numpy as np
 import torch
 
 from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
@@ -43,38 +32,6 @@ BATCH_MAX = 32  # transfers' notices in one control message
 _NOTHING = object()
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-MERGE_AHEAD = max(0, _env_int("XFER_MERGE_AHEAD", 2))  # launches queued on a stream before posts are merged
-MERGE_MAX_BLOCKS = max(1, _env_int("XFER_MERGE_MAX_BLOCKS", 8192))
-
-
-def merge_key(job: Job) -> tuple:
-    """Transfers with equal keys copy between the same two regions in the same direction."""
-    return job.peer.metadata.agent_id, job.peer_region.name, id(job.local), job.op
-
-
-def written_ids(job: Job) -> np.ndarray:
-    """The blocks a transfer writes: the peer's for a WRITE, the local ones for a READ."""
-    return job.peer_ids if job.op is Op.WRITE else job.local_ids
-
-
-def joins(batch: list[Job], written: set, job: Job) -> bool:
-    """Whether ``job`` can join ``batch`` in one launch: same regions and direction, under the
-    size cap, and writing none of the blocks the batch writes (``written``: their ids). Two
-    writes of one block in one launch would land in no defined order."""
-    if merge_key(job) != merge_key(batch[0]):
-        return False
-    if sum(len(j.local_ids) for j in batch) + len(job.local_ids) > MERGE_MAX_BLOCKS:
-        return False
-    return written.isdisjoint(written_ids(job).tolist())
-
-
 class OneSidedTransport(Transport):
     """Subclasses say how to reach a peer region's base tensors (``map_peer``).
 
@@ -85,7 +42,10 @@ class OneSidedTransport(Transport):
     """
 
     describe_copy = False
-    merges = False  # launches may be merged (see the module doc): only where the two sides never share memory
+    # the completer waits for a copy in cudaEventSynchronize (no poll); not where a copy's stream
+    # may wait on memory only this process's later work sets (NVSHMEM: with it, the two-PE
+    # deadline test failed on the H200; with the poll it passed)
+    spin_wait = False
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -99,8 +59,6 @@ class OneSidedTransport(Transport):
         # XFER_LAUNCH_INLINE=0: every launch goes through the worker thread (the posting thread
         # then never runs a launch, e.g. one that opens a new peer's IPC handles)
         self._inline = os.environ.get("XFER_LAUNCH_INLINE", "1").strip().lower() not in ("0", "false", "off", "no")
-        self._merge = self.merges and MERGE_AHEAD > 0
-        self._ahead: dict = {}  # stream -> events of its launches not yet seen complete (merging only)
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
@@ -122,7 +80,7 @@ class OneSidedTransport(Transport):
             if self._closed:
                 job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
                 return
-            if self._inline and self._queued == 0 and self._launches_async(job) and not self._crowded(job):
+            if self._inline and self._queued == 0 and self._launches_async(job):
                 self._start(job)  # on this thread: nothing posted earlier waits to launch
                 return
             self._queued += 1
@@ -134,30 +92,6 @@ class OneSidedTransport(Transport):
             return self.stream(job) is not None
         except Exception:  # noqa: BLE001 - the worker reports it with the transfer
             return False
-
-    def _crowded(self, job: Job) -> bool:
-        """Merging: the job's stream already holds MERGE_AHEAD launches not yet complete (under ``_order``)."""
-        if not self._merge:
-            return False
-        q = self._ahead.get(self.stream(job))
-        while q and q[0].query():
-            q.popleft()
-        return bool(q) and len(q) >= MERGE_AHEAD
-
-    def _wait_room(self, stream) -> None:
-        """Block (GIL released) until ``stream`` holds fewer than MERGE_AHEAD unfinished launches."""
-        while True:
-            with self._order:
-                q = self._ahead.get(stream)
-                while q and q[0].query():
-                    q.popleft()
-                if not q or len(q) < MERGE_AHEAD:
-                    return
-                event = q[0]
-            event.synchronize()
-
-    def _mergeable(self, job: Job) -> bool:
-        return self._merge and job.peer.metadata.pid != os.getpid() and self._launches_async(job)
 
     def disconnect(self, peer_agent_id: str) -> None:
         for key in [k for k in self._mapped if k[0] == peer_agent_id]:
@@ -186,7 +120,6 @@ class OneSidedTransport(Transport):
                 job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
         self._bound.clear()
-        self._ahead.clear()
 
     def _peer_tensors(self, job: Job) -> list[torch.Tensor]:
         key = (job.peer.metadata.agent_id, job.peer_region.name)
@@ -203,42 +136,13 @@ class OneSidedTransport(Transport):
 
     def _run(self) -> None:
         """Launcher: queue each job's copies, then hand it to the completer and take the next job,
-        so the copy of one transfer overlaps the completion round trip of the previous one.
-        Merging (see the module doc): wait for room on the stream, then launch the job with every
-        job queued right behind it that can join it."""
-        carry = _NOTHING
+        so the copy of one transfer overlaps the completion round trip of the previous one."""
         while True:
-            job = self._jobs.get() if carry is _NOTHING else carry
-            carry = _NOTHING
+            job = self._jobs.get()
             if job is None:
                 self._done.put(None)
                 return
-            if self._mergeable(job):
-                try:
-                    self._wait_room(self.stream(job))
-                except BaseException as exc:  # noqa: BLE001 - a failed wait ends the job, never the worker
-                    with self._order:
-                        self._queued -= 1
-                    self._fail(job, exc)
-                    continue
-                batch, written = [job], set(written_ids(job).tolist())
-                while True:
-                    try:
-                        nxt = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    # a job still waiting for its caller's work would hold up every copy merged
-                    # with it (unmerged, the ones before it run meanwhile): it starts the next launch
-                    if nxt is None or not self._mergeable(nxt) or not joins(batch, written, nxt) or \
-                            (nxt.ready is not None and not nxt.ready.query()):
-                        carry = nxt  # launched next, in order
-                        break
-                    batch.append(nxt)
-                    written.update(written_ids(nxt).tolist())
-                with self._order:
-                    self._queued -= len(batch)
-                    self._start_batch(batch)
-            elif self._launches_async(job):
+            if self._launches_async(job):
                 with self._order:
                     self._queued -= 1
                     self._start(job)
@@ -259,26 +163,6 @@ class OneSidedTransport(Transport):
             self._done.put((job, event))
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
             self._fail(job, exc)
-
-    def _start_batch(self, batch: list[Job]) -> None:
-        """Launch ``batch`` (jobs that ``joins`` accepted, in posting order) as one copy."""
-        live = [j for j in batch if not j.transfer.poll().terminal]
-        if len(live) <= 1:
-            for job in live:
-                self._start(job)
-            return
-        for job in live:
-            job.transfer._start()
-            job.transfer._mark("started")
-        try:
-            event = self._launch(live[0], merged=live)
-        except BaseException as exc:  # noqa: BLE001 - every failure ends the transfers
-            for job in live:
-                self._fail(job, exc)
-            return
-        for job in live:
-            job.transfer._mark("launched")
-            self._done.put((job, event))
 
     def _complete(self) -> None:
         """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
@@ -313,11 +197,17 @@ class OneSidedTransport(Transport):
         """Wait for the job's copy (False: it failed or was cancelled, and is finished)."""
         t = job.transfer
         try:
-            if event is not None:
+            if event is not None and self.spin_wait:
                 # a queued kernel cannot be stopped: a cancelled transfer is reported once it landed
-                # too. The wait spins in CUDA with the GIL released (a sleeping poll overslept by up
-                # to ~80 us a copy on the GPU machine, and took the GIL from the posting thread)
+                # too. The wait spins in CUDA with the GIL released (a sleeping poll oversleeps by
+                # up to ~80 us a copy on the GPU machine, and takes the GIL from the posting thread)
                 event.synchronize()
+            elif event is not None:
+                while not event.query():
+                    if t.cancel_requested:
+                        event.synchronize()  # the kernel may still write; let it land before reporting
+                        raise t.error
+                    time.sleep(20e-6)
             if t.cancel_requested:
                 raise t.error
             t._mark("copied")
@@ -368,35 +258,17 @@ class OneSidedTransport(Transport):
             hit = self._bound[key] = (job.local, bound)
         return hit[1]
 
-    def _launch(self, job: Job, merged: list[Job] | None = None):
-        """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously).
-        ``merged``: jobs (``job`` first) launched as ONE copy on the job's stream (see ``_start_batch``)."""
+    def _launch(self, job: Job):
+        """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
         bound = self._bound_copy(job)
         t = job.transfer
-        jobs = merged or [job]
+        src_ids, dst_ids = (job.local_ids, job.peer_ids) if job.op is Op.WRITE else (job.peer_ids, job.local_ids)
         request = self.ctx.config.copy_path
         chosen, why = bound.select_path(request)
-        for j in jobs:
-            j.transfer.copy_path = chosen.value
-            if self.describe_copy:
-                j.transfer.path = f"{self.kind.value} (copy: {chosen.value}; {why})"
-        path = chosen if chosen.value in _REQUESTABLE else request
+        t.copy_path = chosen.value
+        if self.describe_copy:
+            t.path = f"{self.kind.value} (copy: {chosen.value}; {why})"
         stream = self.stream(job)
-        if merged:
-            if stream is None:  # never merged (see _mergeable): host copies go in chunks
-                raise TransportError(f"{self.kind.value}: a merged launch needs a stream")
-            self._check_alive(job)
-            local = np.concatenate([j.local_ids for j in jobs])
-            peer = np.concatenate([j.peer_ids for j in jobs])
-            src_ids, dst_ids = (local, peer) if job.op is Op.WRITE else (peer, local)
-            for j in jobs[:-1]:
-                if j.ready is not None:
-                    stream.wait_event(j.ready)
-            event = bound.copy(src_ids, dst_ids, stream=stream, wait_event=jobs[-1].ready, record_stream=False,
-                               checked=True, path=path)
-            self._track(stream, event)
-            return event
-        src_ids, dst_ids = (job.local_ids, job.peer_ids) if job.op is Op.WRITE else (job.peer_ids, job.local_ids)
         if stream is None:  # copies on this thread: chunks let cancel, deadline and peer death stop it
             per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, job.local.layout.bytes_per_block))
         else:  # queued on a stream, a copy runs on regardless: one launch moves every block
@@ -412,13 +284,7 @@ class OneSidedTransport(Transport):
             # the completer holds the event (and through it every tensor) until the copy ended:
             # no record_stream per call; the agent checked the ids when the transfer was posted
             event = bound.copy(src_ids[start:end], dst_ids[start:end], stream=stream, wait_event=ready,
-                               record_stream=False, checked=True, path=path)
+                               record_stream=False, checked=True,
+                               path=chosen if chosen.value in _REQUESTABLE else request)
             ready = None
-        if self._merge and stream is not None:
-            self._track(stream, event)
         return event
-
-    def _track(self, stream, event) -> None:
-        """Merging: remember a launch on ``stream`` until it is seen complete (under ``_order``)."""
-        if event is not None:
-            self._ahead.setdefault(stream, collections.deque()).append(event)
