@@ -423,6 +423,37 @@ def test_iov_requests_complete_fail_and_free_once(monkeypatch):
     assert ucx_iov.iov_sender() == (None, "XFER_UCX_IOV=0")
 
 
+def test_a_real_iov_send_that_ucx_fails_reports_the_error():
+    """Against the real libucp: an IOV send nobody receives, whose endpoint is then closed, ends
+    failed (UCX's status is one signed byte; read as an int, the failure looked like success)."""
+    import ucxx._lib.libucxx as u
+
+    from xfer.transports import ucx_iov
+
+    sender, why = ucx_iov.iov_sender()
+    if sender is None:
+        pytest.skip(why)
+    ctx = u.UCXContext({}, feature_flags=(u.Feature.TAG, u.Feature.STREAM))
+    wa, wb = u.UCXWorker(ctx), u.UCXWorker(ctx)
+    conns = []
+    listener = u.UCXListener.create(wa, 0, conns.append)
+    ep = u.UCXEndpoint.create(wb, "127.0.0.1", listener.port, True)
+    wait_until(lambda: (wa.progress(), wb.progress(), bool(conns))[2], 10, "the connection")
+    peer_ep = listener.create_endpoint_from_conn_request(conns.pop(), True)
+    blocks = [np.full(4 << 20, i, dtype=np.uint8) for i in range(2)]  # rendezvous-sized: waits for a receive
+    iov = np.array([[b.ctypes.data, b.nbytes] for b in blocks], dtype=np.uint64)
+    req = sender.send(ep.handle, iov, 9)
+    for _ in range(50):
+        wa.progress_once(), wb.progress_once()
+    assert not req.completed  # nobody posted a receive
+    ep.close_blocking(10_000, 100)
+    wait_until(lambda: (wb.progress(), req.completed)[1], 10, "the send's end")
+    assert req.status < 0
+    with pytest.raises(ucx_iov.IovError, match="UCS status -"):
+        req.check_error()
+    del peer_ep
+
+
 @pytest.mark.parametrize("iov", ["on", "off"])
 def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, iov):
     """Host chunks sent straight from the blocks (UCX scatter-gather; forced here for 128-byte

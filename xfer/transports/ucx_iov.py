@@ -100,15 +100,17 @@ class IovSender:
         self._send.restype = ctypes.c_void_p
         self._send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64,
                                ctypes.POINTER(_Param)]
+        # ucs_status_t is a packed enum: ONE signed byte (read as an int, UCS_ERR_CANCELED -16 came
+        # back as 240, and a failed send looked like a success)
         self.check_status = ucp.ucp_request_check_status
-        self.check_status.restype = ctypes.c_int
+        self.check_status.restype = ctypes.c_int8
         self.check_status.argtypes = [ctypes.c_void_p]
         self.free = ucp.ucp_request_free
         self.free.restype = None
         self.free.argtypes = [ctypes.c_void_p]
         self._string = ucs.ucs_status_string
         self._string.restype = ctypes.c_char_p
-        self._string.argtypes = [ctypes.c_int]
+        self._string.argtypes = [ctypes.c_int8]
         self._param = _Param(op_attr_mask=_FIELD_DATATYPE | _FIELD_MEMORY_TYPE, datatype=_DATATYPE_IOV,
                              memory_type=_MEMORY_TYPE_HOST)
         self._param_ref = ctypes.byref(self._param)
