@@ -10,7 +10,11 @@ chunk's, so the receiver cannot tell (and needs no change).
 
 Only sends: a receive straight into the destination blocks would keep writing them after a
 transfer that failed (deadline, dead peer) had been reported, since UCX cannot cancel a matched
-rendezvous receive; into a staging slot those late bytes are harmless.
+rendezvous receive; into a staging slot those late bytes are harmless. Closing the endpoint does
+not stop them at once either. Measured over TCP: a 256 MiB IOV receive (raw
+``ucp_tag_probe_nb`` + ``ucp_tag_msg_recv_nbx``) had 0.5 MiB landed when ``close_blocking``
+returned. Further progress landed another 0.5 MiB before the request ended UCS_ERR_CANCELED. An
+in-place receive would have to hold its transfer's failure until its request has ended.
 
 Requests are polled like ucxx's (``completed``, ``check_error``) on the engine thread, which
 owns the worker; a request's address list stays referenced until UCX completes it, and one
