@@ -207,6 +207,12 @@ def serve(bind: str, device: str) -> None:
             reply(ok=True)
         elif op == "digest":  # of the last contiguous receive
             reply(digest=digest(state["buf"]))
+        elif op == "poison":  # between timed writes: each one is checked on fresh poison
+            for t in state["tensors"]:
+                t.view(-1).view(torch.uint8).fill_(POISON)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            reply(ok=True)
         elif op == "check":
             from bench.target import block_digests, untouched
 
@@ -286,7 +292,8 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
         t = agent.write(peer, src, dst, notify=b"bench")
         t.wait()
         check = server.call(op="check", ids=list(dst))
-        ok = check["digests"] == block_digests(layout, tensors, src) and check["untouched"] and check["notes"] == 1
+        want = block_digests(layout, tensors, src)
+        ok = check["digests"] == want and check["untouched"] and check["notes"] == 1
         if not ok:
             raise RuntimeError(f"{case}: destination bytes differ from the source; not timing a wrong transfer")
         path = t.path
@@ -328,6 +335,7 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
                 th.join()
                 if cuda and i == 0 and server.call(op="digest")["digest"] != digest(data):
                     raise RuntimeError(f"{case}: the contiguous ucxx send delivered other bytes; not timing it")
+            server.call(op="poison")
             c0, t0 = time.thread_time(), time.perf_counter()
             t = agent.write(peer, src, dst)
             t1, c1 = time.perf_counter(), time.thread_time()
@@ -335,6 +343,9 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
             times["xfer"].append(time.perf_counter() - t0)
             post.append(t1 - t0)
             post_cpu.append(c1 - c0)
+            check = server.call(op="check", ids=dst.tolist())  # every timed write, on fresh poison
+            if check["digests"] != want or not check["untouched"]:
+                raise RuntimeError(f"{case}: timed write {i} left bytes that differ from the source")
         # a burst: writes posted back to back while the transport is busy (warm code, no idle wake-up)
         burst = []
         for _ in range(8):

@@ -480,11 +480,56 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
         assert_untouched(peer.layout, remote, dst)
         poison(tensors)
         pulled, into = list(range(1, 256, 2)), list(range(128))
-        agent.read(name, pulled, into, peer_region="kv").wait()
+        r = agent.read(name, pulled, into, peer_region="kv")
+        r.wait()
+        assert ("received in place" in r.path) == (iov == "on"), r.path
         exp = expected_blocks(KIND, SEED, 14, pulled)
         for a, b in zip(exp, block_bytes(layout, tensors, into)):
             assert np.array_equal(a, b), "blocks read from the peer differ from its source"
         assert_untouched(layout, tensors, into)
+
+
+@pytest.mark.parametrize("ended", ["by UCX", "never"])
+def test_a_failed_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, ended):
+    """A flow whose chunks land straight in its blocks, failed (here: cancelled) while a receive
+    of it is in flight, is held by the engine (its CANCEL to the peer not sent) until no receive
+    may still write the blocks: until UCX ends that receive, or, if its end is never heard of,
+    after the connection was closed to stop it (``HOLD_S``). The agent then reconnects."""
+    both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K"}
+    from xfer.transports import ucx_engine, ucx_iov
+    from xfer.transports.ucx_engine import HOLD_S
+    from xfer.transports.ucx_flow import Flow
+
+    monkeypatch.setattr(ucx_iov, "_sender", None)
+    monkeypatch.setattr(ucx_iov, "_why_not", None)
+    for k, v in both.items():
+        monkeypatch.setenv(k, v)
+    heard, real = [], Flow.landed_in_place
+    monkeypatch.setattr(Flow, "landed_in_place", lambda self, slot, err: heard.append((self, slot, err)))
+    if ended == "by UCX":  # no closing while the test looks
+        monkeypatch.setattr(ucx_engine, "HOLD_S", 30.0)
+    tensors, layout = make_kv_cache(KIND, **SEED)
+    poison(tensors)
+    with linked(UcxPeer("held", KIND, SEED, seed=15, env=both), {"kv": (tensors, layout)}, me="me") as (agent, name, _):
+        engine = agent.transports[next(k for k in agent.transports if k.value == "ucx")]._engine
+        t = agent.read(name, list(range(1, 256, 2)), list(range(128)))
+        wait_until(lambda: heard, 10, "a chunk received in place")  # UCX ended it; the flow has not heard
+        assert "received in place" in t.path
+        conn = heard[0][0].conn
+        assert t.cancel()
+        wait_until(lambda: engine._held, 5, "the failed flow held")
+        if ended == "by UCX":
+            time.sleep(0.3)
+            assert engine._held and not conn.dead  # still held: the receive never ended, as far as it knows
+            engine.call_soon(lambda: [real(*h) for h in heard])
+            wait_until(lambda: not engine._held, 5, "the flow released")
+            assert not conn.dead
+        else:  # never heard of: the connection is closed, then the failure reported anyway (logged)
+            start = time.monotonic()
+            wait_until(lambda: not engine._held, 4 * HOLD_S + 2, "the flow released")
+            assert conn.dead and time.monotonic() - start > 0.5 * HOLD_S
+        monkeypatch.setattr(Flow, "landed_in_place", real)
+        agent.write(name, [3], [3]).wait()  # the agent is still good (reconnected where it closed)
 
 
 def test_request_layouts_are_described_once_per_connection(env):

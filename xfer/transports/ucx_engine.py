@@ -11,7 +11,11 @@ arrival order: control messages are received at once (into a buffer of their siz
 is handed to its flow (by connection and xid) and waits there until a staging slot is free for it;
 a chunk of no live flow is received into a throw-away buffer (a dropped transfer's late chunks);
 a chunk whose REQ has not been processed yet (the initiator sends right behind its REQ) is held
-on its connection until the REQ is.
+on its connection until the REQ is. With the raw binding (ucx_iov) the probe and the receives are
+raw UCX calls, and a host flow's chunk is received straight into its blocks; its slot is then
+only a token of the pool's flow control, and the argument below holds unchanged (a receive that
+took a slot needs nothing else to end). A failed flow with such a receive in flight is held (see
+``fail``).
 
 Staging slots, and why no interleaving deadlocks. Each memory kind has one pool of ``S`` slots.
 Sends may hold at most ``S - S // 2`` of them; receives may take any free slot. Then:
@@ -42,6 +46,7 @@ on arrival (a frozen peer can keep a send slot until it wakes or UCX's keepalive
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import os
 import select
@@ -57,13 +62,24 @@ from . import ucx_wire as wire
 from .ucx_conn import Conn
 from .ucx_stage import Copier, StagingPool
 
-__all__ = ["Engine", "error_class"]
+__all__ = ["Engine", "RawProbe", "error_class"]
 
 PROBE_BATCH = 256  # messages taken per loop turn
+HOLD_S = 0.2  # a failed flow's in-place receives may run this long before its connection is closed
+
 # Chunks a connection may hold ahead of their REQs. A well-behaved initiator's early chunks are
 # those sent between a REQ and its processing here (one loop turn); far more is a broken or
 # hostile peer, whose connection is failed rather than buffered without bound.
 EARLY_MAX = 1 << 16
+
+
+class RawProbe:
+    """A message taken by the raw probe: UCX's message handle and its length."""
+
+    __slots__ = ("handle", "length")
+
+    def __init__(self, handle: int, length: int):
+        self.handle, self.length = handle, length
 
 
 class Engine:
@@ -102,7 +118,14 @@ class Engine:
         self._sleeping = False
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
         from .ucx_iov import iov_sender
-        self.iov, self.iov_off = iov_sender()  # scatter-gather sends from host blocks (None: gather first)
+        # raw tag calls on ucxx's libucp (None: ucxx's API, every chunk staged): scatter-gather
+        # sends from host blocks, and probes and receives, so that a chunk can land in place
+        self.iov, self.iov_off = iov_sender()
+        self.iov_rx = self.iov is not None and os.environ.get("XFER_UCX_IOV_RECV", "1").strip().lower() not in (
+            "0", "no", "off", "false")
+        self._worker_handle = self.worker.handle
+        self._info = (ctypes.c_uint64 * 2)()  # a raw probe's (sender tag, length)
+        self._held: dict = {}  # failed flows whose in-place receives UCX has not ended -> when to force
         from .ucx_proto import Protocol  # the control messages
         self.proto = Protocol(self)
         self._thread = threading.Thread(target=self._run, name=f"xfer-ucx-{ctx.agent_name}", daemon=True)
@@ -169,6 +192,8 @@ class Engine:
         now, t = time.monotonic(), 1.0
         for flow in itertools.chain(self._flows.values(), self._targets.values()):
             t = min(t, flow.deadline - now)
+        for until in self._held.values():
+            t = min(t, until - now)
         return max(t, 0.0)
 
     def _reqs_pending(self) -> bool:
@@ -200,18 +225,33 @@ class Engine:
         self.track(conn.ep.tag_send(self.ucx.Array(buf), self.u.UCXXTag(tag)), cb)
 
     def recv_probed(self, buf, probe, cb) -> None:
-        self.track(self.worker.tag_recv_with_handle(self.ucx.Array(buf), probe), cb)
+        """Receive a probed message into ``buf`` (a numpy array or a CUDA tensor, contiguous)."""
+        if isinstance(probe, RawProbe):
+            if isinstance(buf, np.ndarray):
+                address, nbytes = buf.ctypes.data, buf.nbytes
+            else:
+                address, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+            self.track(self.iov.recv(self._worker_handle, probe.handle, address, nbytes, buf), cb)
+        else:
+            self.track(self.worker.tag_recv_with_handle(self.ucx.Array(buf), probe), cb)
 
     # ---- arrivals ----------------------------------------------------------------------------
     def _probe(self) -> bool:
         """Take up to PROBE_BATCH messages (any tag) in arrival order; see the module docstring."""
         got = 0
         while got < PROBE_BATCH:
-            probe = self.worker.tag_probe(self._any_tag, self._any_mask, remove=True)
-            if not probe.matched:
-                break
+            if self.iov is not None:
+                handle = self.iov.probe(self._worker_handle, self._info)
+                if handle is None:
+                    break
+                probe = RawProbe(handle, self._info[1])
+                tag = self._info[0]
+            else:
+                probe = self.worker.tag_probe(self._any_tag, self._any_mask, remove=True)
+                if not probe.matched:
+                    break
+                tag = probe.sender_tag.value
             got += 1
-            tag = probe.sender_tag.value
             if tag & 0xFFFFFFFF == 0:
                 self.proto.on_ctrl_probe(tag >> 32, probe)
             else:
@@ -325,8 +365,13 @@ class Engine:
                    lambda err: flow.sent(slot, self._ucx_error(flow, err)))
 
     def recv_chunk(self, flow, chunk, slot, probe) -> None:
-        _, wire_view = slot.view(chunk.nbytes)
         flow.receiving += 1
+        if flow.iov_rx:  # straight into the blocks (the slot only counts toward the pool's flow control)
+            iov = flow.copier.iov(flow.ids[chunk.b0:chunk.b1], chunk.l0, chunk.l1)
+            self.track(self.iov.recv_iov(self._worker_handle, probe.handle, iov),
+                       lambda err: flow.landed_in_place(slot, self._ucx_error(flow, err)))
+            return
+        _, wire_view = slot.view(chunk.nbytes)
         self.recv_probed(wire_view, probe, lambda err: flow.received(chunk, slot, self._ucx_error(flow, err)))
 
     def _ucx_error(self, flow, err):
@@ -342,12 +387,32 @@ class Engine:
         self.proto.landed(flow)
 
     def fail(self, flow, err: Exception, *, notify_peer: bool = True) -> None:
-        """Drop ``flow``: its transfer ends with ``err``; the peer is told; late chunks are discarded."""
+        """Drop ``flow``: its transfer ends with ``err``; the peer is told; late chunks are discarded.
+
+        A flow with receives landing in place still in flight is dropped at once, but its failure
+        is reported (to the peer by CANCEL, and to its caller unless the caller's own cancel or
+        deadline already ended the transfer) only once UCX ended them: until then UCX may write
+        its blocks. Past HOLD_S (or its deadline) the connection is closed, which makes UCX end
+        them (on a later progress: see ucx_iov)."""
         if flow.dead:
             return
         if not isinstance(err, XferError):
             err = TransportError(f"ucx transfer failed: {err!r}")
         self.drop(flow)
+        if flow.iov_rx and flow.receiving > 0:
+            flow.held = (err, notify_peer)
+            self._held[flow] = min(time.monotonic() + HOLD_S, flow.deadline)  # past its deadline: close now
+            return
+        self._report_failed(flow, err, notify_peer)
+
+    def release_held(self, flow) -> None:
+        """The last in-place receive of a held flow ended: report its failure now."""
+        self._held.pop(flow, None)
+        err, notify_peer = flow.held
+        flow.held = None
+        self._report_failed(flow, err, notify_peer)
+
+    def _report_failed(self, flow, err: XferError, notify_peer: bool) -> None:
         if notify_peer and not flow.conn.dead and flow.conn.ready:
             self.proto.send_ctrl(flow.conn, wire.Kind.CANCEL, {"k": flow.key, "init": flow.initiator,
                                                                "why": type(err).__name__})
@@ -370,6 +435,21 @@ class Engine:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
+        for flow, until in list(self._held.items()):
+            if now < until:
+                continue
+            if not flow.conn.dead:  # UCX then ends the receives (on a later progress)
+                self.log.warning("ucx: in-place receives of failed transfer %s still running after %.1f s; "
+                                 "closing the connection to %r to stop them", flow.tid or flow.key, HOLD_S,
+                                 flow.conn.name)
+                self._held[flow] = now + HOLD_S
+                self.conn_failed(flow.conn, PeerDisconnectedError(
+                    f"connection to {flow.conn.name!r} closed to stop the in-place receives of failed transfer "
+                    f"{flow.tid or flow.key}"))
+            else:  # closed and still not ended: report anyway rather than never (logged)
+                self.log.error("ucx: UCX did not end the in-place receives of transfer %s after its connection "
+                               "closed; reporting its failure anyway", flow.tid or flow.key)
+                self.release_held(flow)
         for flow in [f for f in self._flows.values() if f.transfer.poll().terminal or now >= f.deadline]:
             self.fail(flow, flow.transfer.error or TransferTimeoutError(
                 f"transfer {flow.tid} reached its deadline ({self._progress(flow)})"))
@@ -425,6 +505,8 @@ class Engine:
                 if hasattr(req, "abandon"):  # an IOV send UCX may still read from: keep what it reads
                     req.abandon(cb)
             self._reqs = []
+        for flow in list(self._held):  # the engine stops here: every transfer still ends
+            self.release_held(flow)
 
     def _teardown(self) -> None:
         for fd in (self._wake_r, self._wake_w):

@@ -1,7 +1,8 @@
 """One transfer as the UCX engine drives it, on either side.
 
-A flow either *sends* chunks (gather into a slot -> tag send) or *receives* them (a chunk has
-arrived -> tag receive into a slot -> scatter), at most ``depth`` chunks holding a slot at once,
+A flow either *sends* chunks (gather into a slot -> tag send; host blocks: one scatter-gather
+send from the blocks) or *receives* them (a chunk has arrived -> tag receive into a slot ->
+scatter; host blocks: one scatter-gather receive into the blocks), at most ``depth`` chunks holding a slot at once,
 slots taken from a shared pool in round-robin order among flows (see ucx_engine for why this
 cannot deadlock). Roles:
 
@@ -39,7 +40,7 @@ class Flow:
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
-                 "depth", "queued", "receiving", "ready", "iov")
+                 "depth", "queued", "receiving", "ready", "iov", "iov_rx", "held")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
@@ -66,6 +67,13 @@ class Flow:
         # (its slot is then only a token of the pool's flow control; see ucx_iov)
         self.iov = (self.sending and getattr(engine, "iov", None) is not None and bool(copier.rows)
                     and pool.kind == "host" and sender_layout.block_nbytes >= engine.settings.iov_min_bytes)
+        # receiving into host rows of the sender's block order: each chunk lands straight in the
+        # blocks (UCX scatter-gather receive), no slot and no scatter; a failure is then held until
+        # UCX ended the chunk's receive (Engine.fail)
+        self.iov_rx = (not self.sending and getattr(engine, "iov_rx", False) and bool(copier.rows)
+                       and pool.kind == "host" and sender_layout.inner_order == copier.layout.inner_order
+                       and sender_layout.block_nbytes >= engine.settings.iov_min_bytes)
+        self.held = None  # (error, notify_peer) of a failure waiting for in-place receives to end
 
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "target"
@@ -153,6 +161,19 @@ class Flow:
         self.engine.copy(lambda: (self._wait_ready(),
                                   self.copier.scatter(view, ids, chunk.l0, chunk.l1, self.sender_layout)),
                          lambda e: self._scattered(slot, e), chunk.nbytes)
+
+    def landed_in_place(self, slot: Slot, err) -> None:
+        """A chunk received straight into the blocks ended (``err``: UCX's failure)."""
+        self.receiving -= 1
+        if self.held is not None:  # failed meanwhile: report it once no receive may still write
+            self.engine.release(self, slot)
+            if self.receiving == 0:
+                self.engine.release_held(self)
+            return
+        if self._chunk_ended(slot, err) and self.all_landed():
+            if self.transfer is not None:
+                self.transfer._mark("landed")
+            self.engine.landed(self)
 
     def _wait_ready(self) -> None:
         """On the copy thread, before the first copy touching the local blocks: let the work the

@@ -1,26 +1,30 @@
-"""Scatter-gather tag sends straight from a host region's blocks (UCX's ``UCP_DATATYPE_IOV``).
+"""Raw UCX tag calls on ucxx's own ``libucp``: scatter-gather sends straight from a host region's
+blocks, probes, and receives, contiguous or scatter-gather straight into the blocks
+(UCX's ``UCP_DATATYPE_IOV``).
 
-ucxx's Python API sends one contiguous buffer per message, so a chunk of non-adjacent blocks
-would first be gathered into a staging slot: one more pass over the bytes on the sending host,
-on top of UCX's own copy into its TCP fragments (or none at all with RDMA). UCX itself takes a
-list of (address, length) pairs for one message and packs from it. This module calls
-``ucp_tag_send_nbx`` with such a list, through ctypes, on the very ``libucp`` ucxx runs on, with
-the endpoint and worker handles ucxx exposes; the bytes on the wire are exactly a gathered
-chunk's, so the receiver cannot tell (and needs no change).
+ucxx's Python API sends and receives one contiguous buffer per message, so a chunk of
+non-adjacent blocks would be gathered into a staging slot before it is sent and scattered out of
+one after it arrived: one more pass over the bytes on each host, on top of UCX's own copies into
+and out of its TCP fragments (or none at all with RDMA). UCX itself takes a list of (address,
+length) pairs for one message. This module calls ``ucp_tag_send_nbx``, ``ucp_tag_probe_nb`` and
+``ucp_tag_msg_recv_nbx`` through ctypes, on the very ``libucp`` ucxx runs on, with the endpoint
+and worker handles ucxx exposes; the bytes on the wire are exactly a gathered chunk's, so either
+side may stage or not. The engine takes every message with the raw probe once this binding is
+there (ucxx's probe objects insist on being received through ucxx, which has no IOV receive).
 
-Only sends: a receive straight into the destination blocks would keep writing them after a
-transfer that failed (deadline, dead peer) had been reported, since UCX cannot cancel a matched
-rendezvous receive; into a staging slot those late bytes are harmless. Closing the endpoint does
-not stop them at once either. Measured over TCP: a 256 MiB IOV receive (raw
-``ucp_tag_probe_nb`` + ``ucp_tag_msg_recv_nbx``) had 0.5 MiB landed when ``close_blocking``
-returned. Further progress landed another 0.5 MiB before the request ended UCS_ERR_CANCELED. An
-in-place receive would have to hold its transfer's failure until its request has ended.
+A receive straight into the destination blocks cannot be cancelled once UCX matched it, and
+closing the endpoint does not stop it at once either. Measured over TCP: a 256 MiB IOV receive
+had 0.5 MiB landed when ``close_blocking`` returned. Further progress landed another 0.5 MiB
+before the request ended UCS_ERR_CANCELED. So the engine holds a failed flow's report (its
+CANCEL to the peer, its transfer where not already ended) until such a receive has ended, and
+closes the connection if that takes longer than ``HOLD_S`` (ucx_engine).
 
 Requests are polled like ucxx's (``completed``, ``check_error``) on the engine thread, which
-owns the worker; a request's address list stays referenced until UCX completes it, and one
-dropped unfinished (engine closing) keeps its list for the life of the process.
+owns the worker; a request's address list (or buffer) stays referenced until UCX completes it,
+and one dropped unfinished (engine closing) keeps it for the life of the process.
 
-``XFER_UCX_IOV=0`` turns this off (every chunk is gathered into its slot first).
+``XFER_UCX_IOV=0`` turns all of this off (ucxx's API; every chunk staged both ways);
+``XFER_UCX_IOV_RECV=0`` only the receives into the blocks.
 """
 
 from __future__ import annotations
@@ -118,6 +122,34 @@ class IovSender:
         self._param = _Param(op_attr_mask=_FIELD_DATATYPE | _FIELD_MEMORY_TYPE, datatype=_DATATYPE_IOV,
                              memory_type=_MEMORY_TYPE_HOST)
         self._param_ref = ctypes.byref(self._param)
+        self._param_contig = _Param(op_attr_mask=0)  # bytes, memory type detected by UCX
+        self._contig_ref = ctypes.byref(self._param_contig)
+        self._probe = ucp.ucp_tag_probe_nb
+        self._probe.restype = ctypes.c_void_p
+        self._probe.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
+        self._recv = ucp.ucp_tag_msg_recv_nbx
+        self._recv.restype = ctypes.c_void_p
+        self._recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                               ctypes.POINTER(_Param)]
+
+    def probe(self, worker_handle: int, info) -> int | None:
+        """Take the worker's next unexpected message of any tag (``ucp_tag_probe_nb``, removed
+        from UCX's queue): its message handle, or None; ``info`` receives (sender tag, length)."""
+        return self._probe(worker_handle, 0, 0, 1, info) or None
+
+    def recv(self, worker_handle: int, message: int, address: int, nbytes: int, keep) -> IovRequest:
+        """Receive a probed message into ``nbytes`` contiguous bytes at ``address`` (host or device
+        memory: UCX tells them apart, as for ucxx's own receives); ``keep`` (the buffer) lives as
+        long as the request."""
+        ptr = self._recv(worker_handle, address, nbytes, message, self._contig_ref)
+        return IovRequest(self, ptr, keep)
+
+    def recv_iov(self, worker_handle: int, message: int, iov: np.ndarray) -> IovRequest:
+        """Receive a probed message straight into the host addresses ``iov`` names, in order."""
+        if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
+            raise ValueError(f"iov must be a C-contiguous [n, 2] uint64 array, got {iov.dtype} {iov.shape}")
+        ptr = self._recv(worker_handle, iov.ctypes.data, iov.shape[0], message, self._param_ref)
+        return IovRequest(self, ptr, iov)
 
     def status_string(self, status: int) -> str:
         return f"{self._string(status).decode(errors='replace')} (UCS status {status})"

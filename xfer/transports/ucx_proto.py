@@ -204,7 +204,7 @@ class Protocol:
         flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
         if not flow.sending:
             self.e._rx[(conn.local_id, flow.xid)] = flow
-        t.path = self.describe(job.local, copier, pool, flow.iov)
+        t.path = self.describe(job.local, copier, pool, flow.iov, flow.iov_rx)
         t._start(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
         self.e._flows[flow.key] = flow
         conn.flows[id(flow)] = flow
@@ -330,10 +330,12 @@ class Protocol:
             return f"cuda:{dev.index or 0}" if self.e.context.cuda_support else "pinned"
         raise InvalidArgumentError(f"the UCX transport moves host or CUDA memory, region {region.name!r} is on {dev}")
 
-    def describe(self, region, copier: BlockCopier, pool, iov: bool = False) -> str:
+    def describe(self, region, copier: BlockCopier, pool, iov: bool = False, iov_rx: bool = False) -> str:
         tls = self.e.context.config.get("TLS", "?")
         if iov:
             where = "host blocks sent in place (UCX scatter-gather), no staging copy"
+        elif iov_rx:
+            where = "host blocks received in place (UCX scatter-gather), no staging copy"
         elif pool.kind == "pinned":
             where = "CUDA blocks staged through pinned host memory (this UCX has no CUDA support)"
         elif pool.kind.startswith("cuda"):
