@@ -238,7 +238,7 @@ class ControlClient:
             got = len(head)
         while got < n:
             self._settimeout(deadline)
-            data = self._sock.recv(max(n - got, 1 << 16))
+            data = self._sock.recv(min(max(n - got, 1 << 16), 1 << 20))  # no n-byte buffer per call
             if not data:
                 raise ConnectionError("connection closed by peer")
             if got + len(data) > n:

@@ -1,9 +1,10 @@
 """The ``ucx`` transport: blocks between agents on any hosts, through UCX (ucxx).
 
 Data path (pipelined, two-sided): the sender gathers a chunk of blocks (all layers, K and V)
-into a slot of a staging pool and tag-sends it (host blocks of at least ``iov_min_bytes`` go out
-as one UCX scatter-gather send straight from the blocks instead: ucx_iov.py); the receiver tag-receives into a slot of its
-pool and scatters it; successive chunks overlap (up to ``depth`` in flight per transfer), and
+into a slot of a staging pool and tag-sends it; the receiver tag-receives into a slot of its
+pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip both copies: one UCX
+scatter-gather send straight from the blocks, and (same block order both sides, ``iov_recv``)
+one scatter-gather receive straight into them (ucx_iov.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
 every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per memory
 kind. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
 with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA support (else CUDA

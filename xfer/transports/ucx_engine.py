@@ -121,8 +121,7 @@ class Engine:
         # raw tag calls on ucxx's libucp (None: ucxx's API, every chunk staged): scatter-gather
         # sends from host blocks, and probes and receives, so that a chunk can land in place
         self.iov, self.iov_off = iov_sender()
-        self.iov_rx = self.iov is not None and os.environ.get("XFER_UCX_IOV_RECV", "1").strip().lower() not in (
-            "0", "no", "off", "false")
+        self.iov_rx = self.iov is not None and settings.iov_recv
         self._worker_handle = self.worker.handle
         self._info = (ctypes.c_uint64 * 2)()  # a raw probe's (sender tag, length)
         self._held: dict = {}  # failed flows whose in-place receives UCX has not ended -> when to force

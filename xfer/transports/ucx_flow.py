@@ -2,8 +2,8 @@
 
 A flow either *sends* chunks (gather into a slot -> tag send; host blocks: one scatter-gather
 send from the blocks) or *receives* them (a chunk has arrived -> tag receive into a slot ->
-scatter; host blocks: one scatter-gather receive into the blocks), at most ``depth`` chunks holding a slot at once,
-slots taken from a shared pool in round-robin order among flows (see ucx_engine for why this
+scatter; host blocks: one scatter-gather receive into the blocks), at most ``depth`` chunks
+holding a slot at once, slots taken from a shared pool in round-robin order among flows (see ucx_engine for why this
 cannot deadlock). Roles:
 
     initiator, WRITE   sends from the start (no wait for the target); done on the target's ACK

@@ -34,6 +34,8 @@ import os
 
 import numpy as np
 
+from .ucx_wire import env_on
+
 __all__ = ["IovSender", "iov_sender"]
 
 _FIELD_DATATYPE = 1 << 3
@@ -186,7 +188,7 @@ def iov_sender() -> tuple[IovSender | None, str | None]:
     global _sender, _why_not
     if _sender is not None or _why_not is not None:
         return _sender, _why_not
-    if os.environ.get("XFER_UCX_IOV", "1").strip().lower() in ("0", "no", "off", "false"):
+    if not env_on("XFER_UCX_IOV"):
         _why_not = "XFER_UCX_IOV=0"
         return None, _why_not
     ucp_path, ucs_path = _loaded("libucp.so"), _loaded("libucs.so")
