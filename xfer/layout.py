@@ -218,7 +218,11 @@ class KVLayout:
 
     def check_compatible(self, other: "KVLayout", *, what: str = "peer") -> None:
         """Raise :class:`LayoutMismatchError` naming the first field where the two differ."""
+        if other is self:  # every post checks its pair: the same object needs no comparison
+            return
         mine, theirs = self.fingerprint(), other.fingerprint()
+        if mine == theirs:
+            return
         for field in _FINGERPRINT_FIELDS:
             if mine[field] != theirs[field]:
                 raise LayoutMismatchError(
@@ -289,9 +293,10 @@ class KVLayout:
         arr = np.asarray(ids)
         if arr.ndim != 1:
             raise BlockIdError(f"{what} must be 1-D, got shape {arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if arr.size and arr.dtype.kind not in "iu":  # (np.issubdtype says the same, ~1 us slower a call)
             raise BlockIdError(f"{what} must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
+        if arr.dtype != np.int64:
+            arr = arr.astype(np.int64)
         if arr.size:
             # unique: one sort gives the range and the repeats (a bincount would allocate and scan
             # num_blocks counters: ~50 µs a call on a 200k-block cache, against ~3 µs)
