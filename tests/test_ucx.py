@@ -721,3 +721,32 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     flow = SimpleNamespace(conn=conn, tid="t1", key=1, sent=lambda slot, err: ended.append((slot, err)))
     Engine.send_iov(engine, flow, SimpleNamespace(seq=0), "slot", np.zeros((1, 2), dtype=np.uint64))
     assert ended and ended[0][0] == "slot" and isinstance(ended[0][1], PeerDisconnectedError)
+
+
+def test_host_sends_go_raw_only_on_a_live_endpoint():
+    """Host bytes (control messages, host slots) are sent by the raw ``ucp_tag_send_nbx`` with the
+    buffer's own address and length, the buffer kept with the request; on an endpoint UCX reported
+    closed (its handle may be freed) the send goes through ucxx, which fails a dead one cleanly;
+    CUDA buffers always go through ucxx."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from xfer.transports.ucx_conn import Conn
+    from xfer.transports.ucx_engine import Engine
+
+    raw, via_ucxx, tracked = [], [], []
+    engine = SimpleNamespace(
+        iov=SimpleNamespace(send_contig=lambda *a: raw.append(a) or "raw-req"),
+        ucx=SimpleNamespace(Array=lambda b: ("array", b)), u=SimpleNamespace(UCXXTag=lambda t: ("tag", t)),
+        track=lambda req, cb: tracked.append(req))
+    conn = Conn(None, 3, outgoing=True, name="peer")
+    conn.ep = SimpleNamespace(handle=0xABC, tag_send=lambda arr, tag: via_ucxx.append((arr, tag)) or "ucxx-req")
+    buf = np.arange(17, dtype=np.uint8)
+    Engine.tag_send(engine, conn, buf, 5, None)
+    assert raw == [(0xABC, buf.ctypes.data, 17, 5, buf)] and tracked == ["raw-req"] and not via_ucxx
+    Engine.tag_send(engine, conn, torch.zeros(4, dtype=torch.uint8), 6, None)  # a tensor: ucxx's call
+    assert len(raw) == 1 and len(via_ucxx) == 1
+    conn.closed = True
+    Engine.tag_send(engine, conn, buf, 7, None)
+    assert len(raw) == 1 and via_ucxx[-1][1] == ("tag", 7) and tracked[-1] == "ucxx-req"
