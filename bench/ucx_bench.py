@@ -13,7 +13,10 @@ a cache twice as large, so no two slices are adjacent), interleaved iteration by
 Bytes are verified (digests of the destination blocks, untouched blocks still poisoned) before
 timing. ``post_us`` is the wall time of the ``write`` call alone (host CPU to post the transfer),
 ``post_cpu_us`` its thread CPU time (posted to an idle agent), ``post_burst_cpu_us`` the thread
-CPU time of one ``write`` among eight posted back to back.
+CPU time of one ``write`` among eight posted back to back. ``ids_check_cold_cpu_us`` is the
+post's own two id checks timed alone in the same state as ``post_cpu_us`` (right after a transfer
+moved the bytes through the host's caches), ``ids_check_warm_cpu_us`` the same checks warm: their
+ratio is what cold caches cost any code at that point on this host.
 
 ``--device cuda[:N]`` puts both processes' KV caches on GPU N (two processes sharing it) and
 measures, instead of the host ceilings:
@@ -311,7 +314,7 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
             tcp = socket.create_connection((peer_host, prep["tcp"]))
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         times = {k: [] for k in (*ceilings, "xfer")}
-        post, post_cpu = [], []
+        post, post_cpu, ref_cold, ref_warm = [], [], [], []
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         for i in range(iters + 1):  # the first round is warm-up
             if cuda:
@@ -346,6 +349,18 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
             check = server.call(op="check", ids=dst.tolist())  # every timed write, on fresh poison
             if check["digests"] != want or not check["untouched"]:
                 raise RuntimeError(f"{case}: timed write {i} left bytes that differ from the source")
+            # the cold-cache floor in the same state as the post above: after a transfer moved the
+            # bytes through this host's caches, the ids check the post itself runs, timed alone
+            agent.write(peer, src, dst).wait()
+            server.call(op="poison")
+            c0 = time.thread_time()
+            layout.check_block_ids(src), layout.check_block_ids(dst, unique=True)
+            ref_cold.append(time.thread_time() - c0)
+            for _ in range(3):
+                c0 = time.thread_time()
+                layout.check_block_ids(src), layout.check_block_ids(dst, unique=True)
+                c1 = time.thread_time()
+            ref_warm.append(c1 - c0)
         # a burst: writes posted back to back while the transport is busy (warm code, no idle wake-up)
         burst = []
         for _ in range(8):
@@ -379,6 +394,10 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
     out.update({
         "post_us": 1e6 * statistics.median(post[1:]), "post_cpu_us": 1e6 * statistics.median(post_cpu[1:]),
         "post_burst_cpu_us": 1e6 * statistics.median(c for c, _ in burst[1:]),
+        # the post's own id checks timed alone, after a transfer (as the post above) and warm:
+        # how much of post_cpu_us is this host's cold caches rather than the post's work
+        "ids_check_cold_cpu_us": 1e6 * statistics.median(ref_cold[1:]),
+        "ids_check_warm_cpu_us": 1e6 * statistics.median(ref_warm[1:]),
         "iters": iters,
     })
     return out
@@ -484,6 +503,9 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
                   f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
     for p in dict.fromkeys(r["path"] for r in results):
         print(f"path: {p} ({', '.join(r['case'] for r in results if r['path'] == p)})")
+    for r in results:
+        print(f"{r['case']}: the post's two id checks alone take {r['ids_check_cold_cpu_us']:.0f} us of CPU after "
+              f"a transfer (as 'post cpu' is measured), {r['ids_check_warm_cpu_us']:.0f} us warm")
     if path:
         doc = {"date": dt.datetime.now().isoformat(timespec="seconds"), "link": link,
                "machine": platform.node(), "cores": os.cpu_count(),
