@@ -44,7 +44,8 @@ def _reap_stale() -> None:
                 pass
 
 
-_PIDFDS: dict[int, int] = {}  # pid -> pidfd, for processes found alive (peers checked before every launch)
+_PIDFDS: dict[int, tuple[int, object]] = {}  # pid -> (pidfd, its poll object), for processes found alive
+# (peers are checked before every launch: one poll(0) then, no object built)
 _PIDFDS_MAX = 64
 _PIDFDS_LOCK = threading.Lock()  # not _lock: segments are reaped (pid_alive) under _lock
 
@@ -55,28 +56,31 @@ def pid_alive(pid: int) -> bool:
     A process seen alive keeps a pidfd here (Linux >= 5.3), so a later check is one poll of it,
     not a read of ``/proc`` (tens of microseconds on a slow CPU, before every launch to a peer).
     A pidfd stays with its process: a recycled pid reads as the old process, gone."""
-    with _PIDFDS_LOCK:
-        fd = _PIDFDS.get(pid)
-    if fd is None:
+    hit = _PIDFDS.get(pid)  # (a dict read is atomic; entries are replaced whole, under the lock)
+    if hit is None:
         alive = _pid_alive_proc(pid)
         if alive and hasattr(os, "pidfd_open"):
             try:
                 fd = os.pidfd_open(pid)
             except OSError:
                 return alive
+            poller = select.poll()  # not select.select: it refuses fds above 1023 (UCX opens many)
+            poller.register(fd, select.POLLIN)
             with _PIDFDS_LOCK:
                 if pid in _PIDFDS or len(_PIDFDS) >= _PIDFDS_MAX:
                     os.close(fd)
                 else:
-                    _PIDFDS[pid] = fd
+                    _PIDFDS[pid] = (fd, poller)
             return _pid_alive_proc(pid)  # it may have ended between the two looks
         return alive
-    poller = select.poll()  # not select.select: it refuses fds above 1023 (UCX opens many)
-    poller.register(fd, select.POLLIN)
-    if not poller.poll(0):
-        return True
+    fd, poller = hit
+    try:
+        if not poller.poll(0):
+            return True
+    except OSError:  # closed by another thread that saw the process end
+        return False
     with _PIDFDS_LOCK:  # readable: the process has ended
-        if _PIDFDS.get(pid) == fd:
+        if _PIDFDS.get(pid) is hit:
             del _PIDFDS[pid]
             os.close(fd)
     return False
