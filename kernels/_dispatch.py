@@ -533,10 +533,13 @@ class BoundCopy:
         self.src_layout, self.dst_layout = src_layout, dst_layout
         self.src, self.dst = _Side(src_layout, list(src_tensors)), _Side(dst_layout, list(dst_tensors))
         self.src.cached = self.dst.cached = True  # long-lived: keep their pair tables on the device
+        self._slice = slice_bytes(src_layout, dst_layout)
+        self._touch: bool | None = None  # whether the two sides' byte ranges meet (first stream copy)
+        self._tables: dict = {}  # device index -> copy.PairTables (the stream copies' lean path)
 
     def select_path(self, path=None) -> tuple[CopyPath, str]:
         """The path a copy takes for the request ``path`` (see the module doc), and why."""
-        return _choose(self.src.where, self.dst.where, slice_bytes(self.src_layout, self.dst_layout), path)
+        return _choose(self.src.where, self.dst.where, self._slice, path)
 
     def preload(self, n: int, stream: torch.cuda.Stream | None = None) -> bool:
         """Have the kernel a default-path copy of ``n`` blocks launches run once in this process (a
@@ -560,10 +563,41 @@ class BoundCopy:
              checked: bool = False) -> torch.cuda.Event | None:
         if checked:
             s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+            if path is CopyPath.TRITON and stream is not None and not record_stream and s_ids.size:
+                return self._stream_copy(s_ids, d_ids, stream, wait_event)
         else:
             s_ids, d_ids = check_ids(self.src_layout, src_ids, self.dst_layout, dst_ids)
         return _copy(self.src_layout, self.src, s_ids, self.dst_layout, self.dst, d_ids, stream, wait_event, path,
                      record_stream)
+
+    def _stream_copy(self, s_ids: np.ndarray, d_ids: np.ndarray, stream: torch.cuda.Stream,
+                     wait_event) -> torch.cuda.Event:
+        """The kernel copy the caller already chose (``select_path``), of checked ids, on ``stream``:
+        what ``_copy`` does on that path without re-deciding it per call (a transport posts one per
+        transfer; on the GPU VM each layer of Python costs several microseconds)."""
+        touch = self._touch
+        if touch is None:
+            touch = self._touch = sides_touch(self.src.spans, self.dst.spans)
+        if touch:
+            check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
+                          spans=(self.src.spans, self.dst.spans), touching=True)
+        index = stream.device_index
+        pair = self._tables.get(index)
+        if pair is None:
+            from . import copy  # imports triton
+
+            pair = self._tables[index] = _pair(copy, self.src_layout, self.src, self.dst_layout, self.dst,
+                                               stream.device)
+        with torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext():
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            entry, ids = pair.launch(s_ids, d_ids, stream)
+            event = _KeepAliveEvent()
+            event.record(stream)
+        pair.release(entry, event)
+        event.keep = (self.src.tensors, self.dst.tensors, (pair, ids))  # until the copy ended
+        event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
+        return event
 
 
 def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, out: torch.Tensor,
