@@ -750,3 +750,36 @@ def test_host_sends_go_raw_only_on_a_live_endpoint():
     conn.closed = True
     Engine.tag_send(engine, conn, buf, 7, None)
     assert len(raw) == 1 and via_ucxx[-1][1] == ("tag", 7) and tracked[-1] == "ucxx-req"
+
+
+def test_in_place_conditions_and_the_chunk_plan_they_pick():
+    """A side moves its chunks in place only for host rows of blocks >= iov_min_bytes with the
+    raw binding (a receive also needs the sender's block order); a transfer whose initiator moves
+    in place is cut into PIPELINE_MIN_CHUNKS_IN_PLACE chunks, a staged one into PIPELINE_MIN_CHUNKS."""
+    from types import SimpleNamespace
+
+    from xfer.transports import ucx_proto
+    from xfer.transports.ucx_flow import in_place
+    from xfer.transports.ucx_stage import plan_chunks
+
+    dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
+    layout = make_kv_cache(KIND, **dims)[1]
+    other_order = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_HND, **dims)[1]
+    assert layout.inner_order != other_order.inner_order
+    copier = SimpleNamespace(rows=True, layout=layout)
+    host, pinned = SimpleNamespace(kind="host"), SimpleNamespace(kind="pinned")
+    eng = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0))
+    assert in_place(eng, True, copier, host, layout) and in_place(eng, False, copier, host, layout)
+    assert not in_place(eng, True, copier, pinned, layout)  # CUDA blocks staged through pinned memory
+    assert not in_place(eng, False, copier, host, other_order)  # the sender's order differs
+    assert in_place(eng, True, copier, host, other_order)  # a send is in the sender's own order
+    assert not in_place(SimpleNamespace(iov=None, iov_rx=False, settings=eng.settings), True, copier, host, layout)
+    big = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=layout.block_nbytes + 1))
+    assert not in_place(big, True, copier, host, layout) and not in_place(big, False, copier, host, layout)
+    assert not in_place(eng, True, SimpleNamespace(rows=False, layout=layout), host, layout)
+    n, cap = 256, 1 << 40  # slots big enough for anything: the minimum chunk count decides
+    per = layout.bytes_per_block
+    staged = plan_chunks(layout, n, cap, ucx_proto.PIPELINE_MIN_CHUNKS, 0)[0]
+    placed = plan_chunks(layout, n, cap, ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE, 0)[0]
+    assert -(-n // staged) == ucx_proto.PIPELINE_MIN_CHUNKS and -(-n // placed) == ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE
+    assert placed * per > staged * per

@@ -26,7 +26,7 @@ from ..layout import KVLayout
 from ..transfer import Op, Transfer
 from .ucx_stage import BlockCopier, Chunk, Slot
 
-__all__ = ["Flow"]
+__all__ = ["Flow", "in_place"]
 
 # Receives of one flow posted at once. One: a rendezvous chunk then has the wire to itself and
 # lands whole before the next starts, so its scatter overlaps the next chunk's wire time (with
@@ -36,6 +36,17 @@ RECV_AHEAD = 1
 # next chunk's rendezvous while the engine handles the first one's end (CPU VM, loopback, same
 # runs: 64 MiB case 2.47-2.63 GB/s with one, 2.79-2.80 with two, 2.96 with four)
 RECV_AHEAD_IN_PLACE = 2
+
+
+def in_place(engine, sending: bool, copier: BlockCopier, pool, sender_layout: KVLayout) -> bool:
+    """Whether this side's chunks move straight from (``sending``) or into its blocks: host rows,
+    blocks of at least ``iov_min_bytes``, the raw binding there; a receive also needs the
+    sender's block order (the bytes land as they were laid out)."""
+    if not (copier.rows and pool.kind == "host" and sender_layout.block_nbytes >= engine.settings.iov_min_bytes):
+        return False
+    if sending:
+        return getattr(engine, "iov", None) is not None
+    return bool(getattr(engine, "iov_rx", False)) and sender_layout.inner_order == copier.layout.inner_order
 
 
 class Flow:
@@ -69,14 +80,11 @@ class Flow:
         self.ready = None  # initiator, CUDA region: the caller's stream event the first copy waits for
         # sending from host rows: each chunk goes out as UCX scatter-gather from the blocks themselves
         # (its slot is then only a token of the pool's flow control; see ucx_iov)
-        self.iov = (self.sending and getattr(engine, "iov", None) is not None and bool(copier.rows)
-                    and pool.kind == "host" and sender_layout.block_nbytes >= engine.settings.iov_min_bytes)
+        self.iov = self.sending and in_place(engine, True, copier, pool, sender_layout)
         # receiving into host rows of the sender's block order: each chunk lands straight in the
         # blocks (UCX scatter-gather receive), no slot and no scatter; a failure is then held until
         # UCX ended the chunk's receive (Engine.fail)
-        self.iov_rx = (not self.sending and getattr(engine, "iov_rx", False) and bool(copier.rows)
-                       and pool.kind == "host" and sender_layout.inner_order == copier.layout.inner_order
-                       and sender_layout.block_nbytes >= engine.settings.iov_min_bytes)
+        self.iov_rx = not self.sending and in_place(engine, False, copier, pool, sender_layout)
         self.held = None  # (error, notify_peer) of a failure waiting for in-place receives to end
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ from ..transfer import Notification, Op, TransferState
 from . import ucx_wire as wire
 from .ucx_conn import Conn
 from .ucx_engine import error_class
-from .ucx_flow import Flow
+from .ucx_flow import Flow, in_place
 from .ucx_stage import BlockCopier, chunk_list, plan_chunks
 
 __all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
@@ -23,6 +23,10 @@ __all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
 # a transfer is cut into about PIPELINE_MIN_CHUNKS chunks (gather, wire and scatter overlap; the
 # first gather and the last scatter are not hidden), none below MIN_CHUNK_BYTES (fixed costs a chunk)
 PIPELINE_MIN_CHUNKS = wire._env_int("XFER_UCX_MIN_CHUNKS", 16)
+# where the initiator's side moves its chunks in place (nothing to gather or scatter on it), fewer,
+# larger chunks: each costs a rendezvous and the engine's handling (CPU VM, loopback, 64 MiB of
+# 4 KiB blocks, same runs: 2.87-2.89 GB/s in 16 chunks, 3.07-3.17 in 4)
+PIPELINE_MIN_CHUNKS_IN_PLACE = wire._env_int("XFER_UCX_MIN_CHUNKS_IN_PLACE", 4)
 MIN_CHUNK_BYTES = wire._env_int("XFER_UCX_MIN_CHUNK_BYTES", 1 << 20)
 
 
@@ -191,8 +195,10 @@ class Protocol:
             sender = job.local.layout if job.op is Op.WRITE else job.peer_region.layout
             n = int(job.local_ids.size)
             peer_slot = int((job.peer.metadata.transports.get("ucx") or {}).get("chunk_bytes") or 1 << 62)
+            moves_in_place = in_place(self.e, job.op is Op.WRITE, copier, pool, sender)
             bpc, lpc = plan_chunks(job.local.layout, n, min(self.e.settings.chunk_bytes, peer_slot),
-                                   PIPELINE_MIN_CHUNKS, MIN_CHUNK_BYTES)
+                                   PIPELINE_MIN_CHUNKS_IN_PLACE if moves_in_place else PIPELINE_MIN_CHUNKS,
+                                   MIN_CHUNK_BYTES)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
         except XferError as exc:
             t._finish(TransferState.FAILED, exc)
