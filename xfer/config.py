@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
 from .transports import TransportKind
+
+
+def env_on(name: str, default: bool = True) -> bool:
+    """An on/off environment setting: 0, no, off or false turn it off; unset or empty keeps ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    return raw.strip().lower() not in ("0", "no", "off", "false")
 
 __all__ = ["AgentConfig", "NvshmemGroup"]
 

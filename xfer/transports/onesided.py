@@ -19,6 +19,7 @@ from abc import abstractmethod
 
 import torch
 
+from ..config import env_on
 from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
 from ..shm import pid_alive
 from ..transfer import Op, TransferState
@@ -58,7 +59,7 @@ class OneSidedTransport(Transport):
         self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
         # XFER_LAUNCH_INLINE=0: every launch goes through the worker thread (the posting thread
         # then never runs a launch, e.g. one that opens a new peer's IPC handles)
-        self._inline = os.environ.get("XFER_LAUNCH_INLINE", "1").strip().lower() not in ("0", "false", "off", "no")
+        self._inline = env_on("XFER_LAUNCH_INLINE")
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)

@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from .ucx_wire import env_on
+from ..config import env_on
 
 __all__ = ["IovSender", "iov_sender"]
 

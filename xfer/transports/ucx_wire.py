@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import env_on
 from ..errors import InvalidArgumentError, PeerDisconnectedError
 
 __all__ = ["UcxSettings", "Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data_tag",
@@ -49,14 +50,6 @@ TUNED_UCX = {
     "TCP_TX_SEG_SIZE": "512K",
     "TCP_RX_SEG_SIZE": "512K",
 }
-
-
-def env_on(name: str, default: bool = True) -> bool:
-    """An on/off environment setting: 0, no, off or false turn it off; unset keeps ``default``."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    return raw.strip().lower() not in ("0", "no", "off", "false")
 
 
 def _env_int(name: str, default: int) -> int:
