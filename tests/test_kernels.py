@@ -115,6 +115,35 @@ def test_bound_copy_checks_once_and_moves_exact_bytes(interpret, kind):
     assert bound.preload(3) is False  # no kernel module to load off the GPU
 
 
+def test_bound_copy_takes_the_lean_stream_path_only_as_a_transport_asks(interpret, monkeypatch):
+    """``BoundCopy.copy`` skips the per-call path decision only for what a transport's launch
+    passes: checked ids, the kernel path already chosen, a stream, no record_stream. Every other
+    call goes the full way (here: the host copy, bytes checked)."""
+    from xfer.kernels import BoundCopy
+
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, blocks=7, fill="poison")
+    bound = BoundCopy(sl, src, dl, dst)
+    lean = []
+    monkeypatch.setattr(BoundCopy, "_stream_copy", lambda self, s, d, stream, wait: lean.append((s, d, stream, wait)))
+    ids = np.array([4], dtype=np.int64), np.array([1], dtype=np.int64)
+    stream = object()
+    bound.copy(*ids, stream=stream, wait_event="ev", path=CopyPath.TRITON, record_stream=False, checked=True)
+    assert len(lean) == 1 and lean[0][2] is stream and lean[0][3] == "ev"
+    assert np.array_equal(lean[0][0], [4]) and lean[0][0].dtype == np.int64
+    bound.copy(*ids, stream=stream, path=CopyPath.TRITON, record_stream=False, checked=True)  # no wait event
+    assert len(lean) == 2 and lean[1][3] is None
+    bound.copy(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), stream=stream, path=CopyPath.TRITON,
+               record_stream=False, checked=True)  # nothing to move: the full way (no launch)
+    for kw in ({"checked": False, "path": CopyPath.TRITON, "record_stream": False},  # ids to check
+               {"checked": True, "path": None, "record_stream": False},  # the path not chosen yet
+               {"checked": True, "path": CopyPath.TRITON, "record_stream": True}):  # record_stream asked
+        bound.copy([2], [3], stream=stream, **kw)
+    bound.copy([0], [6], path=CopyPath.TRITON, record_stream=False, checked=True)  # no stream
+    assert len(lean) == 2
+    check_moved(sl, src, [2, 0], dl, dst, [3, 6])
+
+
 def test_ids_ring_allocates_its_device_buffers_on_the_copy_stream(monkeypatch):
     """The ids buffers a repeat launch reuses are allocated on the copy's own stream. On the
     caller's current stream the allocator may return a block that kernels still queued there use,
