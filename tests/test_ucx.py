@@ -783,3 +783,28 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     placed = plan_chunks(layout, n, cap, ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE, 0)[0]
     assert -(-n // staged) == ucx_proto.PIPELINE_MIN_CHUNKS and -(-n // placed) == ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE
     assert placed * per > staged * per
+
+
+def test_the_engine_wake_writes_one_byte_and_ignores_a_full_or_closed_pipe():
+    """``_wake`` (libc write with the GIL held, so the poster does not wait out the woken engine's
+    first burst of work) puts one byte in the engine's wake pipe; a full pipe (the engine is awake)
+    raises nothing."""
+    import os
+
+    from xfer.transports.ucx_engine import _wake
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    try:
+        _wake(w)
+        assert os.read(r, 16) == b"x"
+        while True:  # fill the pipe
+            try:
+                os.write(w, b"y" * 65536)
+            except BlockingIOError:
+                break
+        _wake(w)
+    finally:
+        os.close(r)
+        os.close(w)
