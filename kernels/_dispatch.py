@@ -409,6 +409,21 @@ def copy_blocks(src_layout: KVLayout, src_tensors: Sequence[torch.Tensor], src_i
     return _copy(src_layout, src, s_ids, dst_layout, dst, d_ids, stream, wait_event, path, record_stream)
 
 
+def _launch_pair(pair, s_ids: np.ndarray, d_ids: np.ndarray, stream: torch.cuda.Stream, wait_event):
+    """The kernel copy between two cached sides on ``stream`` (after ``wait_event``): every call
+    takes the stream explicitly, so no stream switch, and a device switch only off the current
+    device. Returns (its event, the tables and ids it reads: keep them with the event)."""
+    index = stream.device_index
+    with torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext():
+        if wait_event is not None:
+            stream.wait_event(wait_event)
+        entry, ids = pair.launch(s_ids, d_ids, stream)
+        event = _KeepAliveEvent()
+        event.record(stream)
+    pair.release(entry, event)
+    return event, (pair, ids)
+
+
 def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLayout, dst: _Side, d_ids: np.ndarray,
           stream, wait_event, path, record_stream: bool):
     """copy_blocks between checked sides and checked ids."""
@@ -431,19 +446,10 @@ def _copy(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLay
     used = [stream]
     if path is CopyPath.TRITON and s_ids.size and src.cached and dst.cached:
         # the common case, kept lean (it bounds how many transfers a second one thread can post):
-        # two caches whose tables live on the device; every call below takes the stream
-        # explicitly, so no stream switch, and a device switch only off the current device
+        # two caches whose tables live on the device
         from . import copy  # imports triton
-        other = stream.device_index != torch.cuda.current_device()
-        with torch.cuda.device(stream.device_index) if other else contextlib.nullcontext():
-            if wait_event is not None:
-                stream.wait_event(wait_event)
-            pair = _pair(copy, src_layout, src, dst_layout, dst, stream.device)
-            entry, ids = pair.launch(s_ids, d_ids, stream)
-            event = _KeepAliveEvent()
-            event.record(stream)
-            pair.release(entry, event)
-            plan = (pair, ids)  # the tables and ids the kernel reads, held by the event below until it ended
+        event, plan = _launch_pair(_pair(copy, src_layout, src, dst_layout, dst, stream.device), s_ids, d_ids,
+                                   stream, wait_event)
     else:
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             if wait_event is not None:
@@ -581,21 +587,14 @@ class BoundCopy:
         if touch:
             check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
                           spans=(self.src.spans, self.dst.spans), touching=True)
-        index = stream.device_index
-        pair = self._tables.get(index)
+        pair = self._tables.get(stream.device_index)
         if pair is None:
             from . import copy  # imports triton
 
-            pair = self._tables[index] = _pair(copy, self.src_layout, self.src, self.dst_layout, self.dst,
-                                               stream.device)
-        with torch.cuda.device(index) if index != torch.cuda.current_device() else contextlib.nullcontext():
-            if wait_event is not None:
-                stream.wait_event(wait_event)
-            entry, ids = pair.launch(s_ids, d_ids, stream)
-            event = _KeepAliveEvent()
-            event.record(stream)
-        pair.release(entry, event)
-        event.keep = (self.src.tensors, self.dst.tensors, (pair, ids))  # until the copy ended
+            pair = self._tables[stream.device_index] = _pair(copy, self.src_layout, self.src, self.dst_layout,
+                                                             self.dst, stream.device)
+        event, plan = _launch_pair(pair, s_ids, d_ids, stream, wait_event)
+        event.keep = (self.src.tensors, self.dst.tensors, plan)  # until the copy ended
         event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
         return event
 

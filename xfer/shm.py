@@ -74,11 +74,8 @@ def pid_alive(pid: int) -> bool:
             return _pid_alive_proc(pid)  # it may have ended between the two looks
         return alive
     fd, poller = hit
-    try:
-        if not poller.poll(0):
-            return True
-    except OSError:  # closed by another thread that saw the process end
-        return False
+    if not poller.poll(0):  # (a pidfd another thread closed reads POLLNVAL: its process ended too)
+        return True
     with _PIDFDS_LOCK:  # readable: the process has ended
         if _PIDFDS.get(pid) is hit:
             del _PIDFDS[pid]
