@@ -384,7 +384,9 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
             "xfer_vs_copy": med["copy"] / med["xfer"], "xfer_vs_ucxx": med["ucxx"] / med["xfer"],
             "ucxx_vs_copy": med["copy"] / med["ucxx"],
             "ucx": {"xfer": {"tls": xfer_ucx.get("tls"), "cuda_support": xfer_ucx.get("cuda"),
-                             "chunk_bytes": xfer_ucx.get("chunk_bytes"), "peer_chunk_bytes": peer_ucx.get("chunk_bytes")},
+                             "chunk_bytes": xfer_ucx.get("chunk_bytes"), "peer_chunk_bytes": peer_ucx.get("chunk_bytes"),
+                             "device_chunk_bytes": xfer_ucx.get("device_chunk_bytes"),
+                             "peer_device_chunk_bytes": peer_ucx.get("device_chunk_bytes")},
                     "ucxx_client": pipes["ucxx"].info(), "ucxx_server": prep["ucx"]["ucxx"],
                     "ucxx_progress": "spin"},
         })
@@ -484,7 +486,8 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
     if cuda:
         d, u = describe_device(device), results[0]["ucx"]
         print(f"device {d['device']} ({d['device_name']}, CUDA {d['torch_cuda']}), both processes; "
-              f"UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; chunk {UcxSettings.from_env().chunk_bytes / 2**20:g} MiB")
+              f"UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; device chunk "
+              f"{UcxSettings.from_env().device_chunk_bytes / 2**20:g} MiB")
         print(f"UCX transports: ucxx {u['ucxx_client']['tls']} (cuda {u['ucxx_client']['cuda_support']}), "
               f"xfer {u['xfer']['tls']} (cuda {u['xfer']['cuda_support']})")
         print(f"{'case':<14} {'MiB':>5} {'copy GB/s':>10} {'ucxx':>7} {'xfer':>7} {'xfer/copy':>9} {'xfer/ucxx':>9} "
@@ -512,7 +515,8 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
                "load_avg": os.getloadavg(), "python": platform.python_version(),
                "torch": torch.__version__, "ucxx": ucxx.__version__,
                "ucx": ".".join(map(str, ucxx.get_ucx_version())), **describe_device(device),
-               "chunk_bytes": UcxSettings.from_env().chunk_bytes}
+               "chunk_bytes": UcxSettings.from_env().chunk_bytes,
+               "device_chunk_bytes": UcxSettings.from_env().device_chunk_bytes}
         doc["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "XFER_UCX_"))}
         if cuda:
             doc["ceilings"] = list(CUDA_CEILINGS)

@@ -723,11 +723,11 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     assert ended and ended[0][0] == "slot" and isinstance(ended[0][1], PeerDisconnectedError)
 
 
-def test_host_sends_go_raw_only_on_a_live_endpoint():
-    """Host bytes (control messages, host slots) are sent by the raw ``ucp_tag_send_nbx`` with the
-    buffer's own address and length, the buffer kept with the request; on an endpoint UCX reported
-    closed (its handle may be freed) the send goes through ucxx, which fails a dead one cleanly;
-    CUDA buffers always go through ucxx."""
+def test_sends_go_raw_only_on_a_live_endpoint():
+    """Sends (control messages, host slots, device slots) go by the raw ``ucp_tag_send_nbx`` with
+    the buffer's own address and length (a numpy array's, or a tensor's data pointer and bytes),
+    the buffer kept with the request; on an endpoint UCX reported closed (its handle may be freed)
+    the send goes through ucxx, which fails a dead one cleanly."""
     from types import SimpleNamespace
 
     import torch
@@ -745,11 +745,12 @@ def test_host_sends_go_raw_only_on_a_live_endpoint():
     buf = np.arange(17, dtype=np.uint8)
     Engine.tag_send(engine, conn, buf, 5, None)
     assert raw == [(0xABC, buf.ctypes.data, 17, 5, buf)] and tracked == ["raw-req"] and not via_ucxx
-    Engine.tag_send(engine, conn, torch.zeros(4, dtype=torch.uint8), 6, None)  # a tensor: ucxx's call
-    assert len(raw) == 1 and len(via_ucxx) == 1
+    t = torch.zeros(8, dtype=torch.int16)[2:]  # a tensor view: its own address, its bytes
+    Engine.tag_send(engine, conn, t, 6, None)
+    assert raw[1] == (0xABC, t.data_ptr(), 12, 6, t) and not via_ucxx
     conn.closed = True
     Engine.tag_send(engine, conn, buf, 7, None)
-    assert len(raw) == 1 and via_ucxx[-1][1] == ("tag", 7) and tracked[-1] == "ucxx-req"
+    assert len(raw) == 2 and via_ucxx == [(("array", buf), ("tag", 7))] and tracked[-1] == "ucxx-req"
 
 
 def test_in_place_conditions_and_the_chunk_plan_they_pick():
@@ -808,3 +809,139 @@ def test_the_engine_wake_writes_one_byte_and_ignores_a_full_or_closed_pipe():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below_it():
+    """Device staging has its own slot size (published as ``device_chunk_bytes``) and count; the
+    initiator plans with the slot of the pool the peer stages its region in, and a transfer
+    between two device regions is cut into as few chunks as fit (PIPELINE_MIN_CHUNKS_DEVICE)."""
+    from types import SimpleNamespace
+
+    from xfer.errors import InvalidArgumentError
+    from xfer.transports import ucx_proto
+    from xfer.transports.ucx_proto import Protocol
+    from xfer.transports.ucx_stage import plan_chunks
+    from xfer.transports.ucx_wire import UcxSettings
+
+    st = UcxSettings(chunk_bytes=1 << 20, device_chunk_bytes=64 << 20, slots=8, device_slots=4)
+    assert (st.slot_bytes("host"), st.slot_bytes("pinned"), st.slot_bytes("cuda:1")) == (1 << 20, 1 << 20, 64 << 20)
+    assert (st.slot_count("host"), st.slot_count("cuda:0")) == (8, 4)
+    for bad in ({"device_chunk_bytes": 100}, {"device_slots": 1}):
+        with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
+            UcxSettings(**bad)
+    info = {"ucx": {"chunk_bytes": 1 << 20, "device_chunk_bytes": 8 << 20, "cuda": True}}
+    meta = SimpleNamespace(transports=info)
+    assert Protocol._peer_slot(meta, SimpleNamespace(device="cuda:3")) == (8 << 20, True)
+    assert Protocol._peer_slot(meta, SimpleNamespace(device="cpu")) == (1 << 20, False)
+    info["ucx"]["cuda"] = False  # the peer stages CUDA regions through pinned host slots
+    assert Protocol._peer_slot(meta, SimpleNamespace(device="cuda:0")) == (1 << 20, False)
+    layout = make_kv_cache(KIND, **SEED)[1]
+    n = 128
+    whole = plan_chunks(layout, n, 1 << 40, ucx_proto.PIPELINE_MIN_CHUNKS_DEVICE, ucx_proto.MIN_CHUNK_BYTES)[0]
+    assert whole == n  # one chunk: the whole transfer fits a slot
+
+
+def test_device_copies_are_polled_until_their_event_completes():
+    """``copy_device`` launches at once and calls back on the engine thread once the copy's event
+    completed, exactly once; a failed launch or a CUDA error polling the event reaches the callback
+    as the error; device UCX requests are counted in flight until they end (the loop polls then)."""
+    from types import SimpleNamespace
+
+    from xfer.transports.ucx_engine import Engine
+
+    class Ev:
+        def __init__(self, turns, error=None):
+            self.turns, self.error = turns, error
+
+        def query(self):
+            if self.error:
+                raise self.error
+            self.turns -= 1
+            return self.turns < 0
+
+    eng = SimpleNamespace(_dev=[], _flows={}, _targets={})
+    got = []
+    Engine.copy_device(eng, lambda: Ev(1), lambda err: got.append(("a", err)))
+    Engine.copy_device(eng, lambda: Ev(0), lambda err: got.append(("b", err)))
+    boom = RuntimeError("launch failed")
+    Engine.copy_device(eng, lambda: (_ for _ in ()).throw(boom), lambda err: got.append(("c", err)))
+    assert got == [("c", boom)] and len(eng._dev) == 2
+    assert Engine._check_dev(eng) and got[1:] == [("b", None)]
+    assert Engine._check_dev(eng) and got[2:] == [("a", None)] and not eng._dev
+    assert not Engine._check_dev(eng)
+    cuda_err = RuntimeError("CUDA error: an illegal memory access")
+    Engine.copy_device(eng, lambda: Ev(5, cuda_err), lambda err: got.append(("d", err)))
+    assert Engine._check_dev(eng) and got[-1] == ("d", cuda_err) and not eng._dev
+    ended = []
+    flow = SimpleNamespace(dev_reqs=0)
+    cb = Engine.device_req(flow, ended.append)
+    assert flow.dev_reqs == 1 and not Engine._device_reqs(eng)  # not a live flow of this engine
+    eng._targets[(1, 2)] = flow
+    assert Engine._device_reqs(eng)
+    cb(None)
+    assert flow.dev_reqs == 0 and ended == [None] and not Engine._device_reqs(eng)
+
+
+# ---- GPU: device regions, GPU-direct -------------------------------------------------------------
+# 64 layers x 128 blocks of 4 KiB slices: 64 MiB, cut into 16 device chunks of 4 MiB (device
+# slots: 4, so sends and receives each cycle their 2 slots eight times)
+DEV = dict(num_layers=64, num_blocks=160, block_size=16, num_heads=2, head_dim=64)
+DEV_ENV = {"UCX_TLS": "all", "XFER_UCX_DEVICE_CHUNK_BYTES": "4M"}
+
+
+@pytest.fixture
+def gpu_env(monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for k, v in {**ucx_env(), **DEV_ENV}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.gpu
+def test_device_regions_move_gpu_direct_both_ways(gpu_env):
+    """Two processes on one GPU, both caches in device memory: a WRITE and a READ of 128 blocks in
+    16 device chunks, byte-exact, the rest of the destination still poisoned, the path reported."""
+    tensors, layout = make_kv_cache(KIND, device="cuda", **DEV)
+    fill_random(tensors, seed=21)
+    with linked(UcxPeer("gpu-peer", KIND, {**DEV, "device": "cuda"}, env=DEV_ENV),
+                {"kv": (tensors, layout)}) as (agent, name, peer):
+        src = np.random.default_rng(3).permutation(160)[:128].tolist()
+        dst = list(range(159, 31, -1))
+        t = agent.write(name, src, dst, notify=b"dev")
+        t.wait()
+        assert "GPU-direct" in t.path, t.path
+        assert peer.call("notification", 5) == ("ok", "src", "write", dst, b"dev")
+        remote = peer.tensors()
+        assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        poison(tensors)
+        assert peer.call("reset", 5) == "ok"
+        t = agent.read(name, dst, src, notify=b"back")
+        t.wait()
+        mine = [x.cpu() for x in tensors]
+        assert_blocks_equal(peer.layout, peer.tensors(), dst, layout, mine, src)
+        assert_untouched(layout, mine, src)
+
+
+@pytest.mark.gpu
+def test_device_write_waits_for_the_callers_stream(gpu_env):
+    """Blocks still being written on the caller's stream when write() is called (behind a ~50 ms
+    sleep kernel): the transfer carries the new bytes, not the old ones."""
+    import torch
+
+    tensors, layout = make_kv_cache(KIND, device="cuda", **DEV)
+    poison(tensors)
+    want = [torch.randn(t.shape, device="cuda").to(t.dtype) for t in tensors]
+    torch.cuda.synchronize()
+    with linked(UcxPeer("gpu-peer", KIND, {**DEV, "device": "cuda"}, env=DEV_ENV),
+                {"kv": (tensors, layout)}) as (agent, name, peer):
+        src, dst = list(range(40)), list(range(100, 140))
+        agent.write(name, src, dst).wait()  # connected and warm
+        torch.cuda._sleep(50_000_000)  # the caller's stream is busy ...
+        for t, w in zip(tensors, want):
+            t.copy_(w)  # ... and then writes the blocks
+        agent.write(name, src, dst).wait()
+        torch.cuda.synchronize()
+        assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.layout, peer.tensors(), dst)

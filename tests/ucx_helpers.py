@@ -88,7 +88,7 @@ def _peer_main(conn, name, kind, dims, seed, netns, env, bind, timeout):
                 conn.send("bye")
                 return
             if cmd == "bytes":  # the bytes of region ``arg`` (default kv)
-                conn.send([byte_view(t).numpy().copy() for t in regions[arg or "kv"]])
+                conn.send([byte_view(t).cpu().numpy().copy() for t in regions[arg or "kv"]])
             elif cmd == "region":  # another region (name, seed or None for the poison), same kind and dims
                 rname, rseed = arg
                 extra, extra_layout = make_kv_cache(kind, **dims)
@@ -166,7 +166,7 @@ class UcxPeer(ChildProcess):
         self.name = name
         from xfer import make_kv_cache
 
-        self.layout = make_kv_cache(kind, device="meta", **dims)[1]
+        self.layout = make_kv_cache(kind, **{**dims, "device": "meta"})[1]
 
     def call(self, cmd, arg=None, timeout=30):
         self.conn.send((cmd, arg))

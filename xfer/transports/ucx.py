@@ -5,8 +5,9 @@ into a slot of a staging pool and tag-sends it; the receiver tag-receives into a
 pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip both copies: one UCX
 scatter-gather send straight from the blocks, and (same block order both sides, ``iov_recv``)
 one scatter-gather receive straight into them (ucx_iov.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
-every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per memory
-kind. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
+every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per host
+memory kind (``device_slots`` of ``device_chunk_bytes`` on a GPU). A CUDA region's gathers and
+scatters are queued on its copy stream by the engine, which polls their events. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
 with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA support (else CUDA
 blocks are staged through pinned host memory, and ``Transfer.path`` says so).
 
@@ -94,7 +95,7 @@ class UcxTransport(Transport):
         e = self._engine
         return {"version": VERSION, "address": self.address, "port": e.port, "host_id": self.ctx.host_id,
                 "cuda": bool(e.context.cuda_support), "tls": e.context.config.get("TLS", ""),
-                "chunk_bytes": self.settings.chunk_bytes}
+                "chunk_bytes": self.settings.chunk_bytes, "device_chunk_bytes": self.settings.device_chunk_bytes}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         return {"device": str(region.device)}

@@ -3,7 +3,10 @@
 Progress model: the worker runs in UCX's blocking mode. The thread drains ``progress_once``,
 handles what completed, then arms the worker and sleeps in ``epoll`` on the worker's event fd
 and a wake pipe (posts, copy completions, cancellations) until something happens or the nearest
-deadline. No busy polling: an idle agent costs nothing, a busy one wakes once per event.
+deadline. No busy polling on host memory: an idle agent costs nothing, a busy one wakes once per
+event. Device work is the exception: a CUDA event and a ``cuda_ipc`` completion wake no fd, so
+while a device copy or a live flow's device UCX request is in flight the loop polls (yielding
+the GIL each turn, napping 50 us after 1 ms without progress).
 All UCX calls happen on this thread.
 
 Receiving: nothing is pre-posted. One wildcard probe takes every message the worker holds, in
@@ -111,6 +114,13 @@ def _wake(fd: int) -> None:
         pass
 
 
+def _address(buf) -> tuple[int, int]:
+    """(address, bytes) of a contiguous numpy array or torch tensor (host or CUDA)."""
+    if isinstance(buf, np.ndarray):
+        return buf.ctypes.data, buf.nbytes
+    return buf.data_ptr(), buf.numel() * buf.element_size()
+
+
 class Engine:
     def __init__(self, ctx, settings: wire.UcxSettings, ucx):
         self.ctx, self.settings, self.ucx = ctx, settings, ucx
@@ -133,6 +143,10 @@ class Engine:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._inbox: collections.deque = collections.deque()
         self._reqs: list = []  # (ucxx request, callback(err)) until completed
+        # device work in flight: copies queued on a CUDA stream (event, callback(err)), and UCX
+        # requests on device memory. Neither wakes the worker's fd (a CUDA event has none; cuda_ipc
+        # completes inside progress): while any is in flight the loop polls instead of sleeping
+        self._dev: list = []
         self._conns: dict[int, Conn] = {}  # local id -> conn
         self._out: dict[str, Conn] = {}  # peer agent id -> our outgoing conn
         self._ids = itertools.count(1)
@@ -175,11 +189,21 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
+        idle_since = None
         try:
             while not (self._closing and not self._reqs_pending()):
                 busy = self._step()
                 if busy:
+                    idle_since = None
                     continue
+                if self._dev or self._device_reqs():  # see __init__; bounded by the flows' deadlines
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    # sleep(0) lets other threads take the GIL; past 1 ms with nothing done (a copy
+                    # waiting on the caller's stream, a slow peer) 50 us naps keep a core free
+                    time.sleep(0 if now - idle_since < 1e-3 else 5e-5)
+                    continue
+                idle_since = None
                 self._sleeping = True  # set before the last look at the inbox: no lost wake-up
                 if not self._inbox and self.worker.arm():
                     for fd, _ in self._epoll.poll(self._timeout()):
@@ -209,6 +233,7 @@ class Engine:
             busy = True
         busy |= self._probe()
         busy |= self._check_reqs()
+        busy |= self._check_dev()
         busy |= self._schedule()
         self._check_deadlines()
         return busy
@@ -247,22 +272,19 @@ class Engine:
         return True
 
     def tag_send(self, conn: Conn, buf, tag: int, cb) -> None:
-        if self.iov is not None and isinstance(buf, np.ndarray) and not (conn.closed or conn.dead):
-            # host bytes (control messages, host slots) by the raw call: ~30-50 us of CPU less a
-            # send than ucxx's request objects on the 2-core VM. Only on a live endpoint: one UCX
-            # closed may have freed its handle (ucxx's call below fails a dead one cleanly)
-            self.track(self.iov.send_contig(conn.ep.handle, buf.ctypes.data, buf.nbytes, tag, buf), cb)
+        if self.iov is not None and not (conn.closed or conn.dead):
+            # by the raw call (host bytes: control messages, host slots; device slots): ~30-50 us of
+            # CPU less a send than ucxx's request objects on the 2-core VM, ~0.1 ms on the H200 VM
+            # for a device slot. Only on a live endpoint: one UCX closed may have freed its handle
+            # (ucxx's call below fails a dead one cleanly). UCX detects the memory type.
+            self.track(self.iov.send_contig(conn.ep.handle, *_address(buf), tag, buf), cb)
             return
         self.track(conn.ep.tag_send(self.ucx.Array(buf), self.u.UCXXTag(tag)), cb)
 
     def recv_probed(self, buf, probe, cb) -> None:
         """Receive a probed message into ``buf`` (a numpy array or a CUDA tensor, contiguous)."""
         if isinstance(probe, RawProbe):
-            if isinstance(buf, np.ndarray):
-                address, nbytes = buf.ctypes.data, buf.nbytes
-            else:
-                address, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-            self.track(self.iov.recv(self._worker_handle, probe.handle, address, nbytes, buf), cb)
+            self.track(self.iov.recv(self._worker_handle, probe.handle, *_address(buf), buf), cb)
         else:
             self.track(self.worker.tag_recv_with_handle(self.ucx.Array(buf), probe), cb)
 
@@ -330,8 +352,8 @@ class Engine:
     # ---- slots and copies --------------------------------------------------------------------
     def pool(self, kind: str) -> StagingPool:
         if kind not in self._pools:
-            s = self.settings.slots
-            self._pools[kind] = StagingPool(kind, self.settings.chunk_bytes, s, send_cap=s - s // 2)
+            s = self.settings.slot_count(kind)
+            self._pools[kind] = StagingPool(kind, self.settings.slot_bytes(kind), s, send_cap=s - s // 2)
             self._want_rx[kind] = collections.deque()
             self._want_tx[kind] = collections.deque()
         return self._pools[kind]
@@ -363,6 +385,47 @@ class Engine:
         if not flow.dead:
             self.want(flow)
 
+    def copy_device(self, launch, done) -> None:
+        """Queue a CUDA copy (``launch()`` returns its event) and call ``done(error or None)`` on
+        this thread once the event completed (polled each loop turn)."""
+        try:
+            event = launch()
+        except Exception as exc:  # reported to the transfer that asked for the copy
+            done(exc)
+            return
+        self._dev.append((event, done))
+
+    def _check_dev(self) -> bool:
+        if not self._dev:
+            return False
+        done, keep = [], []
+        for item in self._dev:
+            try:
+                (done if item[0].query() else keep).append(item)
+            except Exception as exc:  # a CUDA error: the copy failed
+                done.append((exc, item[1]))
+        if not done:
+            return False
+        self._dev = keep
+        for ev, cb in done:
+            cb(ev if isinstance(ev, Exception) else None)
+        return True
+
+    @staticmethod
+    def device_req(flow, cb):
+        """``cb`` for a UCX request of ``flow`` on device memory: counted in flight until it ends."""
+        flow.dev_reqs += 1
+
+        def ended(err):
+            flow.dev_reqs -= 1
+            cb(err)
+        return ended
+
+    def _device_reqs(self) -> bool:
+        """Whether a live flow has a UCX request on device memory in flight (a dropped flow's
+        requests may wait on a frozen peer: they are not polled for)."""
+        return any(f.dev_reqs for f in itertools.chain(self._flows.values(), self._targets.values()))
+
     def copy(self, fn, done, nbytes: int) -> None:
         """Run ``fn`` (a gather or scatter), then ``done(error or None)`` on this thread: right here
         for a small chunk, else on the copy thread (overlapping the wire)."""
@@ -381,8 +444,9 @@ class Engine:
         if flow.conn.dead:
             flow.sent(slot, flow.conn.error)
             return
+        cb = lambda err: flow.sent(slot, self._ucx_error(flow, err))  # noqa: E731
         self.tag_send(flow.conn, wire_view, wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq),
-                      lambda err: flow.sent(slot, self._ucx_error(flow, err)))
+                      self.device_req(flow, cb) if slot.device else cb)
 
     def send_iov(self, flow, chunk, slot, iov: np.ndarray) -> None:
         """Send a chunk straight from the blocks (``iov``: their addresses in staging order)."""
@@ -403,7 +467,8 @@ class Engine:
                        lambda err: flow.landed_in_place(slot, self._ucx_error(flow, err)))
             return
         _, wire_view = slot.view(chunk.nbytes)
-        self.recv_probed(wire_view, probe, lambda err: flow.received(chunk, slot, self._ucx_error(flow, err)))
+        cb = lambda err: flow.received(chunk, slot, self._ucx_error(flow, err))  # noqa: E731
+        self.recv_probed(wire_view, probe, self.device_req(flow, cb) if slot.device else cb)
 
     def _ucx_error(self, flow, err):
         if err is None or isinstance(err, XferError):
@@ -540,6 +605,12 @@ class Engine:
             self.release_held(flow)
 
     def _teardown(self) -> None:
+        for event, _ in self._dev:  # queued copies read or write the slots and blocks: let them end
+            try:
+                event.synchronize()
+            except Exception:
+                pass
+        self._dev = []
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         self._epoll.close()

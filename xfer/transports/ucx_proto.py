@@ -28,6 +28,9 @@ PIPELINE_MIN_CHUNKS = wire._env_int("XFER_UCX_MIN_CHUNKS", 16)
 # 4 KiB blocks, same runs: 2.87-2.89 GB/s in 16 chunks, 3.07-3.17 in 4)
 PIPELINE_MIN_CHUNKS_IN_PLACE = wire._env_int("XFER_UCX_MIN_CHUNKS_IN_PLACE", 4)
 MIN_CHUNK_BYTES = wire._env_int("XFER_UCX_MIN_CHUNK_BYTES", 1 << 20)
+# between two device regions a chunk's stages are HBM copies of tens of microseconds against
+# ~0.1-0.2 ms of host work a chunk: no cutting below the slot size (XFER_UCX_DEVICE_CHUNK_BYTES)
+PIPELINE_MIN_CHUNKS_DEVICE = wire._env_int("XFER_UCX_MIN_CHUNKS_DEVICE", 1)
 
 
 class Protocol:
@@ -194,11 +197,13 @@ class Protocol:
             copier, pool = self._copier(job.local), self.e.pool(self._pool_kind(job.local))
             sender = job.local.layout if job.op is Op.WRITE else job.peer_region.layout
             n = int(job.local_ids.size)
-            peer_slot = int((job.peer.metadata.transports.get("ucx") or {}).get("chunk_bytes") or 1 << 62)
+            peer_slot, peer_device = self._peer_slot(job.peer.metadata, job.peer_region)
             moves_in_place = in_place(self.e, job.op is Op.WRITE, copier, pool, sender)
-            bpc, lpc = plan_chunks(job.local.layout, n, min(self.e.settings.chunk_bytes, peer_slot),
-                                   PIPELINE_MIN_CHUNKS_IN_PLACE if moves_in_place else PIPELINE_MIN_CHUNKS,
-                                   MIN_CHUNK_BYTES)
+            if pool.kind.startswith("cuda") and peer_device:
+                min_chunks = PIPELINE_MIN_CHUNKS_DEVICE
+            else:
+                min_chunks = PIPELINE_MIN_CHUNKS_IN_PLACE if moves_in_place else PIPELINE_MIN_CHUNKS
+            bpc, lpc = plan_chunks(job.local.layout, n, min(pool.nbytes, peer_slot), min_chunks, MIN_CHUNK_BYTES)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
         except XferError as exc:
             t._finish(TransferState.FAILED, exc)
@@ -251,10 +256,13 @@ class Protocol:
             ids = region.layout.check_block_ids(ids, what="requested block ids", unique=op is Op.WRITE)
             chunks = chunk_list(region.layout, ids.size, int(h["bpc"]), int(h["lpc"]))
             biggest = max((c.nbytes for c in chunks), default=0)
-            if biggest > self.e.settings.chunk_bytes:
-                raise InvalidArgumentError(f"initiator's chunks of {biggest} bytes exceed this side's UCX slots of "
-                                           f"{self.e.settings.chunk_bytes} bytes (XFER_UCX_CHUNK_BYTES differs)")
-            copier, pool = self._copier(region), self.e.pool(self._pool_kind(region))
+            kind = self._pool_kind(region)
+            if biggest > self.e.settings.slot_bytes(kind):
+                raise InvalidArgumentError(
+                    f"initiator's chunks of {biggest} bytes exceed this side's UCX slots of "
+                    f"{self.e.settings.slot_bytes(kind)} bytes for {kind} memory (XFER_UCX_CHUNK_BYTES or "
+                    f"XFER_UCX_DEVICE_CHUNK_BYTES differs)")
+            copier, pool = self._copier(region), self.e.pool(kind)
         except (XferError, ValueError, KeyError, TypeError) as exc:
             name = type(exc).__name__ if isinstance(exc, XferError) else "InvalidArgumentError"
             self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": str(exc)})
@@ -327,6 +335,16 @@ class Protocol:
 
     def forget(self, region) -> None:
         self._copiers.pop(id(region), None)
+
+    @staticmethod
+    def _peer_slot(metadata, peer_region) -> tuple[int, bool]:
+        """(slot bytes of the pool the peer stages ``peer_region`` in, whether that pool is device
+        memory), from the peer's published UCX info and the region's device."""
+        info = metadata.transports.get("ucx") or {}
+        host = int(info.get("chunk_bytes") or 1 << 62)
+        if str(peer_region.device).startswith("cuda") and info.get("cuda"):
+            return int(info.get("device_chunk_bytes") or host), True
+        return host, False
 
     def _pool_kind(self, region) -> str:
         dev = region.device
