@@ -945,3 +945,41 @@ def test_device_write_waits_for_the_callers_stream(gpu_env):
         agent.write(name, src, dst).wait()
         torch.cuda.synchronize()
         assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.layout, peer.tensors(), dst)
+
+
+@pytest.mark.gpu
+def test_killed_device_peer_ends_the_transfer_and_the_engine_stops_polling(gpu_env):
+    """kill -9 of a device peer mid-transfer: the WRITE ends with PeerDisconnectedError well before
+    its deadline; the engine, which polls while device work is in flight, goes back to sleeping
+    (this process then uses almost no CPU); the agent serves a new device peer byte-exact."""
+    tensors, layout = make_kv_cache(KIND, device="cuda", **DEV)
+    fill_random(tensors, seed=8)
+    slow_env = {**DEV_ENV, "XFER_UCX_DEVICE_CHUNK_BYTES": "512K", CHUNK_DELAY: "0.01"}  # 128 chunks, >= 1.3 s
+    with Agent("p", AgentConfig(transport="ucx", default_timeout_s=30)) as agent:
+        agent.register("kv", tensors, layout)
+        victim = UcxPeer("victim", KIND, {**DEV, "device": "cuda"}, env=slow_env)
+        try:
+            t = agent.write(agent.connect(victim.metadata), list(range(128)), list(range(128)), timeout=30)
+            wait_until(lambda: t.poll() is TransferState.RUNNING, 5, "the transfer starting")
+            time.sleep(0.3)
+            assert t.poll() is TransferState.RUNNING, f"the transfer ended before the kill: {t.error!r}"
+            start = time.monotonic()
+            victim.kill()
+            with pytest.raises(PeerDisconnectedError):
+                t.wait()
+            assert time.monotonic() - start < 5.0  # noticed by UCX, not at the 30 s deadline
+        finally:
+            victim.close()
+        time.sleep(0.2)
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        used = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        assert used < 0.3, f"the agent kept {used:.0%} of a core busy after its device transfer ended"
+        fresh = UcxPeer("fresh", KIND, {**DEV, "device": "cuda"}, env=DEV_ENV)
+        try:
+            agent.write(agent.connect(fresh.metadata), [3, 1, 4], [0, 9, 2]).wait()
+            remote = fresh.tensors()
+            assert_blocks_equal(layout, [x.cpu() for x in tensors], [3, 1, 4], fresh.layout, remote, [0, 9, 2])
+            assert_untouched(fresh.layout, remote, [0, 9, 2])
+        finally:
+            fresh.close()

@@ -54,7 +54,8 @@ def _slow_copies(delay: float) -> None:
     from xfer.transports import ucx_stage
 
     cls = ucx_stage.BlockCopier
-    for name in ("gather", "scatter", "iov"):  # iov: a chunk sent from or received into the blocks
+    # iov: a chunk sent from or received into the blocks; *_async: a CUDA region's launches
+    for name in ("gather", "scatter", "iov", "gather_async", "scatter_async"):
         def slowed(self, *args, _fn=getattr(cls, name), **kw):
             time.sleep(delay)
             return _fn(self, *args, **kw)
