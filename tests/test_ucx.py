@@ -983,3 +983,27 @@ def test_killed_device_peer_ends_the_transfer_and_the_engine_stops_polling(gpu_e
             assert_untouched(fresh.layout, remote, [0, 9, 2])
         finally:
             fresh.close()
+
+
+@pytest.mark.gpu
+def test_device_regions_staged_through_pinned_host_where_ucx_has_no_cuda(gpu_env, monkeypatch):
+    """UCX limited to TCP (no CUDA transport): CUDA regions are staged through pinned host slots,
+    the transfer says so, and both directions are byte-exact."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    tensors, layout = make_kv_cache(KIND, device="cuda", **DEV)
+    fill_random(tensors, seed=12)
+    with linked(UcxPeer("pinned-peer", KIND, {**DEV, "device": "cuda"}, env={**DEV_ENV, "UCX_TLS": "tcp"}),
+                {"kv": (tensors, layout)}) as (agent, name, peer):
+        src, dst = list(range(100, 20, -1)), list(range(80))
+        t = agent.write(name, src, dst)
+        t.wait()
+        assert "pinned host" in t.path, t.path
+        remote = peer.tensors()
+        assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        poison(tensors)
+        assert peer.call("reset", 13) == "ok"
+        agent.read(name, dst, src).wait()
+        mine = [x.cpu() for x in tensors]
+        assert_blocks_equal(peer.layout, peer.tensors(), dst, layout, mine, src)
+        assert_untouched(layout, mine, src)
