@@ -26,10 +26,13 @@ measures, instead of the host ceilings:
   buffer of the other process + an 8-byte host ack (UCX picks cuda_ipc / cuda_copy as it likes;
   the JSON records UCX_TLS and the contexts' transports; the received bytes are checked once).
 
-``--chunk-bytes`` sets ``XFER_UCX_CHUNK_BYTES`` (e.g. 64M) for both processes. A transfer is still
-cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, so 64M slots move 512 MiB as 16 x 32 MiB.
+``--chunk-bytes`` sets ``XFER_UCX_CHUNK_BYTES`` (host slots, e.g. 64M) for both processes. A host
+transfer is still cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, so 64M slots move 512 MiB
+as 16 x 32 MiB. ``--device-chunk-bytes`` sets ``XFER_UCX_DEVICE_CHUNK_BYTES`` (device slots, 64M by
+default; a device-to-device transfer is cut into as few chunks as fit).
 
     python bench/ucx_bench.py [--iters 7] [--netns] [--json out.json] [--device cuda:0] [--chunk-bytes 64M]
+                              [--device-chunk-bytes 128M]
 
 ``--netns`` runs the two processes in two network namespaces joined by a veth pair (ci/netns.sh;
 root needed). The server side is this script with ``--serve``, driven over its stdin/stdout.
@@ -415,7 +418,9 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--device", default="cpu", help="where both processes' KV caches live: cpu (host memory, "
                     "the default) or cuda[:N] (GPU N, shared by the two processes)")
-    ap.add_argument("--chunk-bytes", help="XFER_UCX_CHUNK_BYTES of both processes, e.g. 16M or 64M")
+    ap.add_argument("--chunk-bytes", help="XFER_UCX_CHUNK_BYTES of both processes (host slots), e.g. 16M or 64M")
+    ap.add_argument("--device-chunk-bytes", help="XFER_UCX_DEVICE_CHUNK_BYTES of both processes (device slots), "
+                    "e.g. 64M or 128M")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     unknown = [c for c in args.cases.split(",") if c not in CASES]
@@ -423,14 +428,16 @@ def main() -> None:
         ap.error(f"--cases: unknown case(s) {unknown}; known: {','.join(CASES)}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if args.chunk_bytes:
-        from xfer.transports.ucx_wire import UcxSettings
+    for flag, var, value in (("--chunk-bytes", "XFER_UCX_CHUNK_BYTES", args.chunk_bytes),
+                             ("--device-chunk-bytes", "XFER_UCX_DEVICE_CHUNK_BYTES", args.device_chunk_bytes)):
+        if value:
+            from xfer.transports.ucx_wire import UcxSettings
 
-        os.environ["XFER_UCX_CHUNK_BYTES"] = args.chunk_bytes  # the server inherits it
-        try:
-            UcxSettings.from_env()
-        except Exception as exc:
-            ap.error(f"--chunk-bytes {args.chunk_bytes}: {exc}")
+            os.environ[var] = value  # the server inherits it
+            try:
+                UcxSettings.from_env()
+            except Exception as exc:
+                ap.error(f"{flag} {value}: {exc}")
     if args.serve:
         return serve(args.bind, args.device)
     device = str(set_device(args.device))
