@@ -859,19 +859,20 @@ def test_device_copies_are_polled_until_their_event_completes():
             self.turns -= 1
             return self.turns < 0
 
-    eng = SimpleNamespace(_dev=[], _flows={}, _targets={})
+    eng = SimpleNamespace(_reqs=[], _dev_copies=0, _flows={}, _targets={})
+    eng.track = lambda req, cb: Engine.track(eng, req, cb)
     got = []
     Engine.copy_device(eng, lambda: Ev(1), lambda err: got.append(("a", err)))
     Engine.copy_device(eng, lambda: Ev(0), lambda err: got.append(("b", err)))
     boom = RuntimeError("launch failed")
     Engine.copy_device(eng, lambda: (_ for _ in ()).throw(boom), lambda err: got.append(("c", err)))
-    assert got == [("c", boom)] and len(eng._dev) == 2
-    assert Engine._check_dev(eng) and got[1:] == [("b", None)]
-    assert Engine._check_dev(eng) and got[2:] == [("a", None)] and not eng._dev
-    assert not Engine._check_dev(eng)
+    assert got == [("c", boom)] and len(eng._reqs) == 2 and eng._dev_copies == 2  # the loop polls
+    assert Engine._check_reqs(eng) and got[1:] == [("b", None)] and eng._dev_copies == 1
+    assert Engine._check_reqs(eng) and got[2:] == [("a", None)] and not eng._reqs and eng._dev_copies == 0
+    assert not Engine._check_reqs(eng)
     cuda_err = RuntimeError("CUDA error: an illegal memory access")
     Engine.copy_device(eng, lambda: Ev(5, cuda_err), lambda err: got.append(("d", err)))
-    assert Engine._check_dev(eng) and got[-1] == ("d", cuda_err) and not eng._dev
+    assert Engine._check_reqs(eng) and got[-1] == ("d", cuda_err) and not eng._reqs and eng._dev_copies == 0
     ended = []
     flow = SimpleNamespace(dev_reqs=0)
     cb = Engine.device_req(flow, ended.append)

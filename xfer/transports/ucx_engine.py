@@ -114,6 +114,35 @@ def _wake(fd: int) -> None:
         pass
 
 
+class EventRequest:
+    """A queued CUDA copy as the engine tracks a request: ``completed`` once its event has (a CUDA
+    error polling it completes it with that error), ``check_error`` raises the error."""
+
+    __slots__ = ("event", "error")
+
+    def __init__(self, event):
+        self.event, self.error = event, None
+
+    @property
+    def completed(self) -> bool:
+        try:
+            return self.event.query()
+        except Exception as exc:  # a CUDA error: the copy failed
+            self.error = exc
+            return True
+
+    def check_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self, *keep) -> None:
+        """At close: the copy reads or writes slots and blocks; let it end before they are freed."""
+        try:
+            self.event.synchronize()
+        except Exception:
+            pass
+
+
 def _address(buf) -> tuple[int, int]:
     """(address, bytes) of a contiguous numpy array or torch tensor (host or CUDA)."""
     if isinstance(buf, np.ndarray):
@@ -143,10 +172,10 @@ class Engine:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._inbox: collections.deque = collections.deque()
         self._reqs: list = []  # (ucxx request, callback(err)) until completed
-        # device work in flight: copies queued on a CUDA stream (event, callback(err)), and UCX
-        # requests on device memory. Neither wakes the worker's fd (a CUDA event has none; cuda_ipc
-        # completes inside progress): while any is in flight the loop polls instead of sleeping
-        self._dev: list = []
+        # device work in flight: copies queued on a CUDA stream (tracked as requests, counted here)
+        # and UCX requests on device memory (counted on their flows). Neither wakes the worker's fd
+        # (a CUDA event has none; cuda_ipc completes inside progress): the loop polls meanwhile
+        self._dev_copies = 0
         self._conns: dict[int, Conn] = {}  # local id -> conn
         self._out: dict[str, Conn] = {}  # peer agent id -> our outgoing conn
         self._ids = itertools.count(1)
@@ -196,7 +225,7 @@ class Engine:
                 if busy:
                     idle_since = None
                     continue
-                if self._dev or self._device_reqs():  # see __init__; bounded by the flows' deadlines
+                if self._dev_copies or self._device_reqs():  # see __init__; bounded by the flows' deadlines
                     now = time.monotonic()
                     idle_since = idle_since or now
                     # sleep(0) lets other threads take the GIL; past 1 ms with nothing done (a copy
@@ -233,7 +262,6 @@ class Engine:
             busy = True
         busy |= self._probe()
         busy |= self._check_reqs()
-        busy |= self._check_dev()
         busy |= self._schedule()
         self._check_deadlines()
         return busy
@@ -387,29 +415,18 @@ class Engine:
 
     def copy_device(self, launch, done) -> None:
         """Queue a CUDA copy (``launch()`` returns its event) and call ``done(error or None)`` on
-        this thread once the event completed (polled each loop turn)."""
+        this thread once the event completed: tracked like a UCX request (polled each loop turn)."""
         try:
             event = launch()
         except Exception as exc:  # reported to the transfer that asked for the copy
             done(exc)
             return
-        self._dev.append((event, done))
+        self._dev_copies += 1
 
-    def _check_dev(self) -> bool:
-        if not self._dev:
-            return False
-        done, keep = [], []
-        for item in self._dev:
-            try:
-                (done if item[0].query() else keep).append(item)
-            except Exception as exc:  # a CUDA error: the copy failed
-                done.append((exc, item[1]))
-        if not done:
-            return False
-        self._dev = keep
-        for ev, cb in done:
-            cb(ev if isinstance(ev, Exception) else None)
-        return True
+        def ended(err):
+            self._dev_copies -= 1
+            done(err)
+        self.track(EventRequest(event), ended)
 
     @staticmethod
     def device_req(flow, cb):
@@ -605,12 +622,6 @@ class Engine:
             self.release_held(flow)
 
     def _teardown(self) -> None:
-        for event, _ in self._dev:  # queued copies read or write the slots and blocks: let them end
-            try:
-                event.synchronize()
-            except Exception:
-                pass
-        self._dev = []
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         self._epoll.close()

@@ -262,9 +262,6 @@ class BlockCopier:
         return self._launch(bound, _arange(len(ids)), ids, wait_event)
 
     def _launch(self, bound, s_ids: np.ndarray, d_ids: np.ndarray, wait_event):
-        if wait_event is not None and self.stream is None:
-            wait_event.synchronize()
-            wait_event = None
         return bound.copy(s_ids, d_ids, path=bound.select_path(None)[0], wait_event=wait_event, checked=True,
                           **self._kw)
 
