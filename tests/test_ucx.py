@@ -1008,3 +1008,30 @@ def test_device_regions_staged_through_pinned_host_where_ucx_has_no_cuda(gpu_env
         mine = [x.cpu() for x in tensors]
         assert_blocks_equal(peer.layout, peer.tensors(), dst, layout, mine, src)
         assert_untouched(layout, mine, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mine,theirs", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_device_and_host_regions_move_between_each_other(gpu_env, mine, theirs):
+    """One side's cache in device memory, the other's in host memory: a WRITE and a READ of 128
+    blocks, each chunk staged in its own side's pool (device slots of 4 MiB, host slots of the
+    default size), byte-exact, the rest of the destination still poisoned."""
+    tensors, layout = make_kv_cache(KIND, device=mine, **DEV)
+    fill_random(tensors, seed=31)
+    with linked(UcxPeer("mixed-peer", KIND, {**DEV, "device": theirs}, env=DEV_ENV),
+                {"kv": (tensors, layout)}) as (agent, name, peer):
+        src = np.random.default_rng(5).permutation(160)[:128].tolist()
+        dst = list(range(159, 31, -1))
+        t = agent.write(name, src, dst, notify=b"mix")
+        t.wait()
+        assert ("GPU-direct" in t.path) == (mine == "cuda"), t.path
+        assert peer.call("notification", 5) == ("ok", "src", "write", dst, b"mix")
+        remote = peer.tensors()
+        assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.layout, remote, dst)
+        assert_untouched(peer.layout, remote, dst)
+        poison(tensors)
+        assert peer.call("reset", 5) == "ok"
+        agent.read(name, dst, src).wait()
+        mine_now = [x.cpu() for x in tensors]
+        assert_blocks_equal(peer.layout, peer.tensors(), dst, layout, mine_now, src)
+        assert_untouched(layout, mine_now, src)
