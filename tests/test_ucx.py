@@ -754,8 +754,9 @@ def test_sends_go_raw_only_on_a_live_endpoint():
 
 
 def test_in_place_conditions_and_the_chunk_plan_they_pick():
-    """A side moves its chunks in place only for host rows of blocks >= iov_min_bytes with the
-    raw binding (a receive also needs the sender's block order); a transfer whose initiator moves
+    """A side moves its chunks in place only for host rows of blocks >= iov_min_bytes (a send) or
+    iov_recv_min_bytes (a receive) with the raw binding (a receive also needs the sender's block
+    order); a transfer whose initiator moves
     in place is cut into PIPELINE_MIN_CHUNKS_IN_PLACE chunks, a staged one into PIPELINE_MIN_CHUNKS."""
     from types import SimpleNamespace
 
@@ -769,14 +770,20 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     assert layout.inner_order != other_order.inner_order
     copier = SimpleNamespace(rows=True, layout=layout)
     host, pinned = SimpleNamespace(kind="host"), SimpleNamespace(kind="pinned")
-    eng = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0))
+    eng = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0, iov_recv_min_bytes=0))
     assert in_place(eng, True, copier, host, layout) and in_place(eng, False, copier, host, layout)
     assert not in_place(eng, True, copier, pinned, layout)  # CUDA blocks staged through pinned memory
     assert not in_place(eng, False, copier, host, other_order)  # the sender's order differs
     assert in_place(eng, True, copier, host, other_order)  # a send is in the sender's own order
     assert not in_place(SimpleNamespace(iov=None, iov_rx=False, settings=eng.settings), True, copier, host, layout)
-    big = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=layout.block_nbytes + 1))
+    over = layout.block_nbytes + 1
+    big = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=over, iov_recv_min_bytes=over))
     assert not in_place(big, True, copier, host, layout) and not in_place(big, False, copier, host, layout)
+    # the two thresholds apart: small blocks received in place but sent from a slot, and the reverse
+    rx_only = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=over, iov_recv_min_bytes=0))
+    assert not in_place(rx_only, True, copier, host, layout) and in_place(rx_only, False, copier, host, layout)
+    tx_only = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0, iov_recv_min_bytes=over))
+    assert in_place(tx_only, True, copier, host, layout) and not in_place(tx_only, False, copier, host, layout)
     assert not in_place(eng, True, SimpleNamespace(rows=False, layout=layout), host, layout)
     n, cap = 256, 1 << 40  # slots big enough for anything: the minimum chunk count decides
     per = layout.bytes_per_block

@@ -2,9 +2,10 @@
 
 Data path (pipelined, two-sided): the sender gathers a chunk of blocks (all layers, K and V)
 into a slot of a staging pool and tag-sends it; the receiver tag-receives into a slot of its
-pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip both copies: one UCX
-scatter-gather send straight from the blocks, and (same block order both sides, ``iov_recv``)
-one scatter-gather receive straight into them (ucx_iov.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
+pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip the gather: one UCX
+scatter-gather send straight from the blocks; host blocks of at least ``iov_recv_min_bytes``
+(any, by default) skip the scatter: one scatter-gather receive straight into them, where both
+sides use the same block order and ``iov_recv`` (ucx_iov.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
 every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per host
 memory kind (``device_slots`` of ``device_chunk_bytes`` on a GPU). A CUDA region's gathers and
 scatters are queued on its copy stream by the engine, which polls their events. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand

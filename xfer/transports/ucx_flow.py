@@ -43,9 +43,12 @@ RECV_AHEAD_DEVICE = 2
 
 def in_place(engine, sending: bool, copier: BlockCopier, pool, sender_layout: KVLayout) -> bool:
     """Whether this side's chunks move straight from (``sending``) or into its blocks: host rows,
-    blocks of at least ``iov_min_bytes``, the raw binding there; a receive also needs the
-    sender's block order (the bytes land as they were laid out)."""
-    if not (copier.rows and pool.kind == "host" and sender_layout.block_nbytes >= engine.settings.iov_min_bytes):
+    blocks of at least ``iov_min_bytes`` (a send) or ``iov_recv_min_bytes`` (a receive), the raw
+    binding there; a receive also needs the sender's block order (the bytes land as they were
+    laid out)."""
+    st = engine.settings
+    if not (copier.rows and pool.kind == "host"
+            and sender_layout.block_nbytes >= (st.iov_min_bytes if sending else st.iov_recv_min_bytes)):
         return False
     if sending:
         return getattr(engine, "iov", None) is not None
