@@ -257,6 +257,81 @@ def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode)
     assert decode.call("notification", 5)[4] == b"after"
 
 
+def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(local, decode, monkeypatch):
+    """A target stopped while a REQ sat in its socket must not count the ttl from when it woke:
+    the REQ says when it was sent, the target measures how much longer than the connection's
+    usual delay it took, and refuses it once that exceeds its ttl. The initiator's CANCEL is
+    dropped here (as a cut link may lose it), so only that rule stands between the woken target
+    and a delivery (without it: the chunks land and the peer is notified, every time)."""
+    from xfer.transports.ucx_proto import Protocol
+    from xfer.transports.ucx_wire import Kind
+
+    agent, _, _ = local
+    peer = agent.connect(decode.metadata)
+    agent.write(peer, [0], [0]).wait()  # the connection's usual delay
+    decode.call("notifications")
+    decode.call("reset")
+    real = Protocol.send_ctrl
+    monkeypatch.setattr(Protocol, "send_ctrl", lambda self, conn, kind, *a, **k:
+                        None if kind is Kind.CANCEL else real(self, conn, kind, *a, **k))
+    decode.signal(signal.SIGSTOP)
+    try:
+        t = agent.write(peer, list(range(128)), list(range(128)), timeout=1.0)
+        with pytest.raises(TransferTimeoutError):
+            t.wait()
+    finally:
+        decode.signal(signal.SIGCONT)
+    time.sleep(0.5)
+    assert decode.call("notifications") == []
+    assert_untouched(decode.layout, decode.tensors(), [])  # refused before any byte landed
+    monkeypatch.setattr(Protocol, "send_ctrl", real)
+    agent.write(peer, [3], [3], notify=b"after").wait()
+    assert decode.call("notification", 5)[4] == b"after"
+
+
+def test_request_delay_is_judged_against_the_connections_least_delay():
+    """Conn.req_delay: the first REQ sets the floor; a later one's delay beyond it is returned; a
+    faster one lowers it; the floor creeps up by CLOCK_DRIFT a second, so slow drift is no delay."""
+    from xfer.transports.ucx_conn import Conn
+    from xfer.transports.ucx_wire import CLOCK_DRIFT
+
+    conn = Conn(None, 1, outgoing=False)
+    offset = 5000.0  # the peer's clock is 5000 s behind: no common origin needed
+    assert conn.req_delay(100.0 - offset, 100.001) == 0.0  # 1 ms: the floor
+    assert conn.req_delay(101.0 - offset, 102.0) == pytest.approx(1.0 - 0.001 - CLOCK_DRIFT * 1.999, abs=1e-9)
+    assert conn.req_delay(103.0 - offset, 103.0005) == 0.0  # faster than the floor: the new floor
+    assert conn.req_delay(104.0 - offset, 104.0006) == pytest.approx(0.0001 - CLOCK_DRIFT, abs=1e-9)
+    # an hour of 50 ppm drift (the peer's clock slower) reads as no delay
+    hour = 3600.0
+    assert conn.req_delay(104.0 + hour * (1 - 50e-6) - offset, 104.0005 + hour) == 0.0
+
+
+def test_control_messages_round_trip_and_malformed_ones_are_refused():
+    """Control headers are binary for the fields a kind always carries, JSON for the rest (a
+    REQ's layout, the auth stamp); every value comes back with its type (the MAC is computed
+    over them); a short, truncated or unknown message is a PeerDisconnectedError, never a crash."""
+    from xfer.transports import ucx_wire as wire
+
+    req = {"k": 7, "op": "write", "region": "kv é", "n": 3, "bpc": 2, "lpc": 4, "xid": 9, "ttl": 1.25,
+           "sent": 123.5, "tid": "1-ab", "from": "src", "order": "NHC", "lid": 1, "layout": {"x": [1]},
+           "mac": "00ff", "ts": 1.5, "nonce": "ab"}
+    msg = wire.encode(wire.Kind.REQ, req, np.arange(3), b"note")
+    kind, header, binary = wire.decode(msg)
+    assert kind is wire.Kind.REQ and header == req and [type(header[k]) for k in req] == [type(v) for v in req.values()]
+    assert wire.split_ids(binary, 3)[0].tolist() == [0, 1, 2] and wire.split_ids(binary, 3)[1] == b"note"
+    cancel = {"k": 2, "init": True, "why": "TransferTimeoutError"}
+    assert wire.decode(wire.encode(wire.Kind.CANCEL, cancel)) == (wire.Kind.CANCEL, cancel, b"")
+    assert wire.decode(wire.encode(wire.Kind.ACK, {"k": 2})) == (wire.Kind.ACK, {"k": 2}, b"")
+    assert len(wire.encode(wire.Kind.ACK, {"k": 2})) == 9 + 8  # no JSON at all
+    bad = [msg[:4], msg[:30], np.concatenate([np.array([99], np.uint8), msg[1:]]),  # short, truncated, kind 99
+           wire.encode(wire.Kind.ACK, {"k": 2, "x": 1})[:-3]]
+    lying = msg.copy()
+    lying[5:9] = np.frombuffer((9999).to_bytes(4, "big"), np.uint8)  # a header longer than the message
+    for m in bad + [lying]:
+        with pytest.raises(PeerDisconnectedError, match="malformed"):
+            wire.decode(m)
+
+
 def test_cancel_mid_transfer(env, slow):
     tensors, layout = make_kv_cache(KIND, **SLOW)
     fill_random(tensors, seed=1)

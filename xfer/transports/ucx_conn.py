@@ -26,7 +26,7 @@ class Conn:
 
     __slots__ = ("ep", "local_id", "remote_id", "agent_id", "name", "ready", "dead", "outgoing", "waiting",
                  "flows", "hello_in", "hello_out", "address", "error", "xid", "early", "n_early", "ctrl_in",
-                 "layout_ids", "layouts", "closed")
+                 "layout_ids", "layouts", "closed", "skew", "skew_at")
 
     def __init__(self, ep, local_id: int, *, outgoing: bool, agent_id: str = "", name: str = "",
                  address: str = ""):
@@ -49,6 +49,10 @@ class Conn:
         # REQ layouts by per-connection id: sent once, then named (outgoing: ids given; accepted: received)
         self.layout_ids: dict = {}  # KVLayout -> id (this side's REQs)
         self.layouts: dict[int, object] = {}  # id -> KVLayout (the peer's REQs)
+        # accepted: the least (arrival here - send time there) of the peer's REQs, and when it was
+        # last moved: how late a REQ is beyond that is how long it waited (see ``req_delay``)
+        self.skew: float | None = None
+        self.skew_at = 0.0
         self.hello_in = np.zeros(wire.HELLO_BYTES, dtype=np.uint8)
         self.hello_out: np.ndarray | None = None
 
@@ -56,6 +60,22 @@ class Conn:
         way = "to" if self.outgoing else "from"
         state = "dead" if self.dead else "ready" if self.ready else "connecting"
         return f"Conn({way} {self.name or '?'} at {self.address or '?'}, ids {self.local_id}/{self.remote_id}, {state})"
+
+    def req_delay(self, sent: float, now: float) -> float:
+        """Seconds a REQ sent at ``sent`` (the peer's monotonic clock) waited beyond the least delay
+        of this connection's REQs: in a socket buffer while this process was stopped or swapped
+        out, behind a congested link. Its deadline is that much nearer than its ``ttl`` says. Two
+        clocks need no common origin, only a common rate: the floor rises by CLOCK_DRIFT a second,
+        so drift in either direction never reads as delay (it may hide up to that much of one)."""
+        sample = now - sent
+        if self.skew is None:
+            self.skew, self.skew_at = sample, now
+            return 0.0
+        floor = self.skew + wire.CLOCK_DRIFT * (now - self.skew_at)
+        if sample <= floor:
+            self.skew, self.skew_at = sample, now
+            return 0.0
+        return sample - floor
 
     def on_hello(self) -> None:
         """Check the peer's hello (raises a typed error when it is not the agent we expected)."""

@@ -97,7 +97,7 @@ class Protocol:
             return
         waiting, conn.waiting = conn.waiting, []
         for msg in waiting:
-            self._send(conn, msg)
+            self._send(conn, self._encode(*msg))
         for flow in list(conn.flows.values()):  # their chunks can be tagged now
             self.e.want(flow)
 
@@ -108,14 +108,19 @@ class Protocol:
 
     # ---- control messages --------------------------------------------------------------------
     def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
+        if conn.ready:
+            self._send(conn, self._encode(kind, header, ids, payload))
+        else:  # encoded once the hello round is over: a REQ's send time is when it leaves
+            conn.waiting.append((kind, header, ids, payload))
+
+    def _encode(self, kind: wire.Kind, header: dict, ids, payload: bytes) -> np.ndarray:
+        if kind is wire.Kind.REQ:  # time left and send time as it leaves (the target judges how long it
+            now = time.monotonic()  # waited: Conn.req_delay); the deadline itself means nothing there
+            header["ttl"], header["sent"] = max(header.pop("deadline") - now, 0.0), now
         if self.ctx.auth is not None:  # the MAC covers the header and the binary part (ids, payload)
             binary = (b"" if ids is None else np.ascontiguousarray(ids, dtype="<i8").tobytes()) + payload
             header = self.ctx.auth.stamp(header, binary)
-        msg = wire.encode(kind, header, ids, payload)
-        if conn.ready:
-            self._send(conn, msg)
-        else:
-            conn.waiting.append(msg)
+        return wire.encode(kind, header, ids, payload)
 
     def _send(self, conn: Conn, msg: np.ndarray) -> None:
         def sent(err, msg=msg):  # holds ``msg`` until UCX is done with it
@@ -220,8 +225,8 @@ class Protocol:
         self.e._flows[flow.key] = flow
         conn.flows[id(flow)] = flow
         header = {"k": flow.key, "op": job.op.value, "region": job.peer_region.name, "n": n, "bpc": bpc, "lpc": lpc,
-                  "xid": flow.xid, "ttl": max(t.time_left(), 0.0), "tid": t.id, "from": self.ctx.agent_name,
-                  "order": sender.inner_order}
+                  "xid": flow.xid, "deadline": t.deadline, "tid": t.id,
+                  "from": self.ctx.agent_name, "order": sender.inner_order}
         lid = conn.layout_ids.get(job.local.layout)
         if lid is None:  # described once per connection (REQs are handled in order), then named
             lid = conn.layout_ids[job.local.layout] = len(conn.layout_ids) + 1
@@ -241,10 +246,19 @@ class Protocol:
         fresh = isinstance(xid, int) and 0 < xid < wire.XID_MOD and wire.xid_after(xid, conn.xid)
         if fresh:
             conn.xid = xid  # chunks of this xid and older ones no longer wait for a REQ
+        now = time.monotonic()
         try:
             theirs = self._their_layout(conn, h)  # first: later REQs name it even when this one is refused
             if not fresh:
                 raise InvalidArgumentError(f"transfer id {xid!r} is not a new one on this connection")
+            # what is left of the initiator's deadline: its ttl, less how long this REQ waited beyond
+            # the connection's usual delay (this process stopped, a congested link): a REQ that
+            # waited past its deadline is refused before any byte lands, whatever its CANCEL's fate
+            late = conn.req_delay(float(h["sent"]), now)
+            ttl = float(h["ttl"]) - late
+            if ttl <= 0:
+                raise TransferTimeoutError(f"transfer {h.get('tid')} reached this side {late:.3f} s after it was "
+                                           f"sent, past its deadline; dropped, no block written")
             op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
             if region is None:
                 raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
@@ -269,9 +283,8 @@ class Protocol:
             if fresh:
                 self.e.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
             return
-        ttl = float(h.get("ttl", 0.0))
         flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn,
-                    deadline=time.monotonic() + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
+                    deadline=now + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
                     sender_layout=theirs if op is Op.WRITE else region.layout, chunks=chunks, pool=pool,
                     tid=str(h.get("tid")), region=region.name, notify=notify, peer_name=str(h.get("from")))
         flow.xid = xid
