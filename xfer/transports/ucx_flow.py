@@ -64,7 +64,7 @@ class Flow:
                  "depth", "queued", "receiving", "ready", "iov", "iov_rx", "held", "dev_reqs")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
-                 copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: list[Chunk],
+                 copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: tuple[Chunk, ...],
                  pool, transfer: Transfer | None = None, tid: str = "", region: str = "",
                  notify: bytes = b"", peer_name: str = ""):
         self.engine, self.key, self.initiator, self.op, self.conn = engine, key, initiator, op, conn

@@ -66,7 +66,11 @@ def plan_chunks(layout: KVLayout, n: int, chunk_bytes: int, min_chunks: int = 1,
     return 1, chunk_bytes // per_layer
 
 
-def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> list[Chunk]:
+@functools.lru_cache(maxsize=256)
+def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> tuple[Chunk, ...]:
+    """The chunks of ``n`` blocks at ``bpc`` blocks x ``lpc`` layers a chunk, in send order.
+    Memoized: an engine repeats a few transfer shapes, and building the list costs ~15 us of a
+    lone small transfer's critical path on a cold CPU cache, on each side."""
     per = layout.num_kv * layout.block_nbytes
     out = []
     for b0 in range(0, n, bpc):
@@ -74,7 +78,7 @@ def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> list[Chunk]:
         for l0 in range(0, layout.num_layers, lpc):
             l1 = min(layout.num_layers, l0 + lpc)
             out.append(Chunk(len(out), b0, b1, l0, l1, (b1 - b0) * (l1 - l0) * per))
-    return out
+    return tuple(out)
 
 
 # Layouts of a chunk, memoized: building one checks every slot (~0.1 ms for 128 slots), and a
