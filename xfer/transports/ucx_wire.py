@@ -50,11 +50,15 @@ _MSG = struct.Struct("!BII")
 CTRL_MASK = 0xFFFFFFFF  # probe mask: the low 32 bits (0 = control) of any connection
 
 # UCX defaults that cost us two thirds of the wire over TCP (measured, see the design notes in
-# ucx.py): 8 KiB TCP segments turn a rendezvous into thousands of small bcopy fragments.
-# A user's own UCX_* environment variable always wins over these.
+# ucx.py): 8 KiB TCP segments turn a rendezvous into thousands of small bcopy fragments; and a
+# scatter-gather rendezvous moves at most TCP_MAX_IOV entries (6 by default) per zero-copy
+# fragment, so a chunk of 4 KiB blocks went in 20 KiB fragments (CPU VM, loopback, 32 x 256 x
+# 4 KiB: 0.62-0.70 of a contiguous ucxx send with 6, 0.72-0.89 with 64; 32 KiB blocks 0.74-1.03
+# -> 1.08-1.22; 256 was no better than 64). A user's own UCX_* variable always wins over these.
 TUNED_UCX = {
     "TCP_TX_SEG_SIZE": "512K",
     "TCP_RX_SEG_SIZE": "512K",
+    "TCP_MAX_IOV": "64",
 }
 
 
