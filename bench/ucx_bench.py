@@ -10,6 +10,12 @@ a cache twice as large, so no two slices are adjacent), interleaved iteration by
 - ``xfer``: ``agent.write(...)`` of the blocks until ``wait()`` returns (the peer has scattered every
   byte, delivered its notification and acknowledged).
 
+Every row is timed right after the same server call (the poison of the peer's whole cache,
+which every timed write needs anyway), so each starts from the same state: the client idle for as
+long (~0.1 s for the 512 MiB case's 1 GiB cache), the server's caches as cold. On a VM a core left
+idle runs the next work slower (a lone 2 MiB write: 0.78 ms after 1 ms idle, 1.1-1.6 ms after
+10 ms), so a row timed after a shorter idle than the others would be favoured.
+
 Bytes are verified (digests of the destination blocks, untouched blocks still poisoned) before
 timing. ``post_us`` is the wall time of the ``write`` call alone (host CPU to post the transfer),
 ``post_cpu_us`` its thread CPU time (posted to an idle agent), ``post_burst_cpu_us`` the thread
@@ -350,12 +356,14 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         for i in range(iters + 1):  # the first round is warm-up
             if cuda:
+                server.call(op="poison")  # every row starts from the same state: see the module doc
                 torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 copy_dst.copy_(data)
                 torch.cuda.synchronize(dev)
                 times["copy"].append(time.perf_counter() - t0)
             else:
+                server.call(op="poison")
                 th, _ = server.call_async(op="serve", what="tcp", iters=1)
                 t0 = time.perf_counter()
                 tcp.sendall(memoryview(data))
@@ -363,6 +371,7 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
                 times["tcp"].append(time.perf_counter() - t0)
                 th.join()
             for name, pipe in pipes.items():
+                server.call(op="poison")
                 th, _ = server.call_async(op="serve", what=name, iters=1)
                 t0 = time.perf_counter()
                 pipe.xfer(data, ack, 1, 2)
