@@ -85,6 +85,27 @@ def test_block_id_checks(bad, exc, pattern):
     assert layout.check_block_ids([2, 3, 2]).tolist() == [2, 3, 2]  # repeats are fine as a source
 
 
+@pytest.mark.parametrize("n", [1, 3, 512, 513, 3000])  # both sides of the short-list path (512 ids)
+def test_block_id_checks_short_and_long(n):
+    _, layout = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, num_layers=1, num_blocks=4096, block_size=2,
+                              num_heads=1, head_dim=2)
+    ids = np.random.default_rng(n).permutation(4096)[:n]
+    out = layout.check_block_ids(ids, unique=True)
+    assert out.dtype == np.int64 and out.tolist() == ids.tolist()
+    assert layout.check_block_ids(ids.astype(np.int32)).dtype == np.int64
+    for bad, pattern in ((4096, "id 4096; layout .* has 4096 blocks"), (-3, "negative id -3")):
+        wrong = ids.copy()
+        wrong[n // 2] = bad
+        with pytest.raises(BlockIdError, match=pattern):
+            layout.check_block_ids(wrong)
+    if n > 1:
+        twice = ids.copy()
+        twice[-1] = twice[0]
+        with pytest.raises(BlockIdError, match=f"repeat id {twice[0]}; each must appear once"):
+            layout.check_block_ids(twice, unique=True)
+        assert layout.check_block_ids(twice).tolist() == twice.tolist()  # a source may repeat
+
+
 def test_from_tensors_rejects_inconsistent_input():
     t = torch.empty(2, 6, 4, 2, 8)
     with pytest.raises(LayoutError, match="dims"):
