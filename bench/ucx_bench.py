@@ -19,7 +19,10 @@ idle runs the next work slower (a lone 2 MiB write: 0.78 ms after 1 ms idle, 1.1
 Bytes are verified (digests of the destination blocks, untouched blocks still poisoned) before
 timing. ``post_us`` is the wall time of the ``write`` call alone (host CPU to post the transfer),
 ``post_cpu_us`` its thread CPU time (posted to an idle agent), ``post_burst_cpu_us`` the thread
-CPU time of one ``write`` among eight posted back to back. ``ids_check_cold_cpu_us`` is the
+CPU time of one ``write`` among eight posted back to back. ``burst_vs_ucxx`` (``x8 /ucxx``): those
+eight writes (of the same blocks) in flight at once, their aggregate rate from the first post to
+the last ``wait()`` (median of 3 bursts, each checked on fresh poison) against one contiguous
+ucxx send's rate: how much of the wire a lone write's fixed costs leave when several overlap. ``ids_check_cold_cpu_us`` is the
 post's own two id checks timed alone in the same state as ``post_cpu_us`` (right after a transfer
 moved the bytes through the host's caches), ``ids_check_warm_cpu_us`` the same checks warm: their
 ratio is what cold caches cost any code at that point on this host.
@@ -73,6 +76,7 @@ CASES = {  # name: (layers, blocks moved, block_size, heads, head_dim) in bf16
 KIND = "vllm_flash_attn_nhd"
 POISON = 0xA5
 HOST_CEILINGS = ("tcp", "ucxx", "ucxx-default")
+BURST, BURSTS = 8, 3  # writes in flight at once, and how many such bursts are timed (median)
 CUDA_CEILINGS = ("copy", "ucxx")
 
 
@@ -402,14 +406,24 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
                 layout.check_block_ids(src), layout.check_block_ids(dst, unique=True)
                 c1 = time.thread_time()
             ref_warm.append(c1 - c0)
-        # a burst: writes posted back to back while the transport is busy (warm code, no idle wake-up)
-        burst = []
-        for _ in range(8):
-            c0 = time.thread_time()
-            ts = agent.write(peer, src, dst)
-            burst.append((time.thread_time() - c0, ts))
-        for _, ts in burst:
-            ts.wait()
+        # bursts: BURST writes posted back to back (warm code, no idle wake-up: the burst post
+        # CPU), all in flight at once (their aggregate rate: what a lone write's fixed costs leave
+        # of the wire when an engine moves several requests), each burst checked on fresh poison
+        burst, burst_wall = [], []
+        for _ in range(BURSTS):
+            server.call(op="poison")
+            posted, t0 = [], time.perf_counter()
+            for _ in range(BURST):
+                c0 = time.thread_time()
+                ts = agent.write(peer, src, dst)
+                posted.append((time.thread_time() - c0, ts))
+            for _, ts in posted:
+                ts.wait()
+            burst_wall.append(time.perf_counter() - t0)
+            burst.extend(posted[1:])
+            check = server.call(op="check", ids=dst.tolist())
+            if check["digests"] != want or not check["untouched"]:
+                raise RuntimeError(f"{case}: a burst of {BURST} writes left bytes that differ from the source")
         if not cuda:
             tcp.close()
         xfer_ucx = decode(agent.metadata()).transports.get("ucx", {})
@@ -436,7 +450,9 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
                     "ucxx_default_vs_tcp": med["tcp"] / med["ucxx-default"]})
     out.update({
         "post_us": 1e6 * statistics.median(post[1:]), "post_cpu_us": 1e6 * statistics.median(post_cpu[1:]),
-        "post_burst_cpu_us": 1e6 * statistics.median(c for c, _ in burst[1:]),
+        "post_burst_cpu_us": 1e6 * statistics.median(c for c, _ in burst),
+        "burst": BURST, "burst_gb_per_s": BURST * nbytes / statistics.median(burst_wall) / 1e9,
+        "burst_vs_ucxx": med["ucxx"] * BURST / statistics.median(burst_wall),
         # the post's own id checks timed alone, after a transfer (as the post above) and warm:
         # how much of post_cpu_us is this host's cold caches rather than the post's work
         "ids_check_cold_cpu_us": 1e6 * statistics.median(ref_cold[1:]),
@@ -547,19 +563,21 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
         print(f"UCX transports: ucxx {u['ucxx_client']['tls']} (cuda {u['ucxx_client']['cuda_support']}), "
               f"xfer {u['xfer']['tls']} (cuda {u['xfer']['cuda_support']})")
         print(f"{'case':<14} {'MiB':>5} {'copy GB/s':>10} {'ucxx':>7} {'xfer':>7} {'xfer/copy':>9} {'xfer/ucxx':>9} "
-              f"{'ucxx/copy':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
+              f"{'x' + str(BURST) + ' /ucxx':>9} {'ucxx/copy':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
         for r in results:
             g = r["gb_per_s"]
             print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['copy']:10.1f} {g['ucxx']:7.1f} {g['xfer']:7.2f} "
-                  f"{r['xfer_vs_copy']:9.3f} {r['xfer_vs_ucxx']:9.3f} {r['ucxx_vs_copy']:9.3f} {r['post_us']:8.0f} "
-                  f"{r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
+                  f"{r['xfer_vs_copy']:9.3f} {r['xfer_vs_ucxx']:9.3f} {r['burst_vs_ucxx']:9.3f} {r['ucxx_vs_copy']:9.3f} "
+                  f"{r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
     else:
         print(f"{'case':<14} {'MiB':>5} {'tcp GB/s':>9} {'ucxx':>6} {'ucxx-dflt':>9} {'xfer':>6} "
-              f"{'xfer/tcp':>8} {'xfer/ucxx':>9} {'post µs':>8} {'post cpu':>8} {'burst cpu':>9}")
+              f"{'xfer/tcp':>8} {'xfer/ucxx':>9} {'x' + str(BURST) + ' /ucxx':>9} {'post µs':>8} {'post cpu':>8} "
+              f"{'burst cpu':>9}")
         for r in results:
             g = r["gb_per_s"]
             print(f"{r['case']:<14} {r['bytes'] / 2**20:5.0f} {g['tcp']:9.2f} {g['ucxx']:6.2f} {g['ucxx-default']:9.2f} "
-                  f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
+                  f"{g['xfer']:6.2f} {r['xfer_vs_tcp']:8.2f} {r['xfer_vs_ucxx']:9.2f} {r['burst_vs_ucxx']:9.2f} "
+                  f"{r['post_us']:8.0f} {r['post_cpu_us']:8.0f} {r['post_burst_cpu_us']:9.0f}")
     for p in dict.fromkeys(r["path"] for r in results):
         print(f"path: {p} ({', '.join(r['case'] for r in results if r['path'] == p)})")
     for r in results:

@@ -769,6 +769,7 @@ def test_ucx_bench_dry_run_writes_its_record(tmp_path):
     (res,) = doc["results"]
     assert res["case"] == "32x64x512B" and res["path"].startswith("ucx (host staging")  # 512 B blocks: gathered
     assert res["xfer_vs_tcp"] > 0 and f"path: {res['path']} (32x64x512B)" in run.stdout
+    assert res["burst"] == 8 and res["burst_gb_per_s"] > 0 and res["burst_vs_ucxx"] > 0
     bad = subprocess.run([sys.executable, str(root / "bench" / "ucx_bench.py"), "--cases", "2"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) ['2']" in bad.stderr
