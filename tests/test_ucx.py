@@ -257,6 +257,38 @@ def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode)
     assert decode.call("notification", 5)[4] == b"after"
 
 
+def test_a_frozen_peer_does_not_hold_up_transfers_to_another(local, decodes):
+    """One engine serves every peer: with one peer stopped (its sockets full, a seed-sized write
+    to it stuck in UCX), writes to the other still land byte-exact, each in well under the stuck
+    write's deadline, which then ends it with a typed error and no delivery."""
+    agent, tensors, layout = local
+    for p in decodes:
+        assert p.call("reset") == "ok"
+    frozen, live = (agent.connect(p.metadata) for p in decodes)
+    agent.write(frozen, [0], [0]).wait()
+    decodes[0].call("notifications")
+    decodes[0].signal(signal.SIGSTOP)
+    try:
+        posted = time.monotonic()
+        stuck = agent.write(frozen, list(range(128)), list(range(128, 256)), timeout=3.0)
+        rng = np.random.default_rng(3)
+        dst = rng.permutation(256)
+        for r in range(8):
+            s, d = rng.integers(0, 256, 16).tolist(), dst[16 * r:16 * r + 16].tolist()
+            t0 = time.monotonic()
+            agent.write(live, s, d, notify=f"live{r}".encode()).wait()
+            assert time.monotonic() - t0 < 1.0, f"write {r} to the live peer took {time.monotonic() - t0:.2f} s"
+            assert_blocks_equal(layout, tensors, s, decodes[1].layout, decodes[1].tensors(), d)
+        assert time.monotonic() - posted > 2.5 or not stuck.done()  # still stuck, not ended early
+        with pytest.raises(TransferTimeoutError):
+            stuck.wait()
+    finally:
+        decodes[0].signal(signal.SIGCONT)
+    assert_untouched(decodes[1].layout, decodes[1].tensors(), dst[:128].tolist())
+    time.sleep(0.5)  # the frozen one wakes past the deadline: nothing may be delivered there
+    assert decodes[0].call("notifications") == []
+
+
 def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(local, decode, monkeypatch):
     """A target stopped while a REQ sat in its socket must not count the ttl from when it woke:
     the REQ says when it was sent, the target measures how much longer than the connection's
