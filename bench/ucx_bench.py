@@ -22,8 +22,8 @@ timing. ``post_us`` is the wall time of the ``write`` call alone (host CPU to po
 CPU time of one ``write`` among eight posted back to back. ``burst_vs_ucxx`` (``x8 /ucxx``): those
 eight writes (of the same blocks) in flight at once, their aggregate rate from the first post to
 the last ``wait()`` (median of 3 bursts, each checked on fresh poison) against one contiguous
-ucxx send's rate: how much of the wire a lone write's fixed costs leave when several overlap. ``ids_check_cold_cpu_us`` is the
-post's own two id checks timed alone in the same state as ``post_cpu_us`` (right after a transfer
+ucxx send's rate: how much of the wire a lone write's fixed costs leave when several overlap.
+``ids_check_cold_cpu_us`` is the post's own two id checks timed alone in the same state as ``post_cpu_us`` (right after a transfer
 moved the bytes through the host's caches), ``ids_check_warm_cpu_us`` the same checks warm: their
 ratio is what cold caches cost any code at that point on this host.
 
