@@ -1,7 +1,8 @@
 """The fault soak across two hosts: network namespaces A and B joined by a veth pair
 (ci/netns.sh), UCX pinned. One initiator agent in A drives mixed-size concurrent writes into
 three peer agents (three processes) in B, round after round, while faults hit mid-round, every
-second round from round 2 on, in turn:
+second round from round 2 on (A's outgoing traffic shaped to ``FAULT_RATE`` for that round, so its
+transfers are surely in flight when the fault comes), in turn:
 
   * a link flap: A's veth end set down while transfers are in flight, up again after a pause
     shorter than the deadline: a short one (TCP recovers within the deadline) and a long one
@@ -129,6 +130,9 @@ def hosts(request, monkeypatch):
 
 
 SETTLE_S = 20.0
+# A's outgoing rate in fault rounds: unshaped, a round's transfers could all end within ~20 ms,
+# before the watch loop's first look, and the fault was then not injected at all
+FAULT_RATE = "400mbit"
 
 
 def _settle(a, names, where, r) -> float:
@@ -225,6 +229,8 @@ def test_soak_across_the_veth_with_link_flaps_and_peer_kills(hosts):
             where[tag] = (name, src, dst, r)
             if name != victim:
                 checked.add(tag)
+        if fault:  # a round's bytes (~15 MB) then take ~0.3 s: still in flight when the fault comes
+            pair.rate(FAULT_RATE)
         t0 = time.monotonic()
         n = a.call("post", [("write", name, src, dst, DEADLINE, tag) for name, src, dst, tag in plan],
                     timeout=DEADLINE)
@@ -260,6 +266,8 @@ def test_soak_across_the_veth_with_link_flaps_and_peer_kills(hosts):
             time.sleep(0.01)
         if up_timer is not None:
             up_timer.join()
+        if fault:
+            pair.rate("off")
         hangs = sum(e is None for e in ended)
         stats["hangs"] += hangs
         max_end = max([max_end] + [e for e in ended if e is not None])
