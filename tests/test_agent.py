@@ -266,6 +266,61 @@ def test_concurrent_transfers_from_threads(pair):
     assert sorted(n.payload for n in notes) == [str(i).encode() for i in range(8)]
 
 
+def test_post_plans_follow_register_deregister_and_connect(pair):
+    """A post reuses its pair's resolved regions, layout check and route: each change to the
+    regions or peers must be seen by the next post (a stale plan would move bytes it must not)."""
+    pair.a.write(pair.peer, [0], [1]).wait()  # the plan for (b, None, None, WRITE) is made
+    t2, l2 = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, **small_dims("vllm_flash_attn_nhd"))
+    pair.a.register("kv2", t2, l2)
+    with pytest.raises(NotRegisteredError, match="has regions \\['kv', 'kv2'\\]: name one"):
+        pair.a.write(pair.peer, [0], [2])
+    pair.a.write(pair.peer, [0], [2], region="kv").wait()
+    pair.a.deregister("kv2")
+    pair.a.deregister("kv")
+    with pytest.raises(NotRegisteredError, match="region 'kv' is not registered"):
+        pair.a.write(pair.peer, [0], [2], region="kv")  # its plan went with the region
+    t8, l8 = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, **small_dims("vllm_flash_attn_nhd", bs=8))
+    pair.a.register("kv", t8, l8)
+    with pytest.raises(LayoutMismatchError, match="block_size: local vllm_flash_attn_nhd has 8"):
+        pair.a.write(pair.peer, [0], [3])
+    pair.a.deregister("kv")
+    pair.a.register("kv", pair.ta, pair.la)
+    pair.a.write(pair.peer, [4], [5], region="kv").wait()
+    pair.a.disconnect(pair.peer)
+    with pytest.raises(PeerNotConnectedError, match="no peer named 'b'"):
+        pair.a.write(pair.peer, [4], [5], region="kv")
+    pair.a.connect(pair.b.metadata())
+    pair.a.write(pair.peer, [4], [5], region="kv").wait()  # a plan naming the peer's region "kv"
+    # the peer re-registers under another name and is reconnected: the old region name is gone
+    pair.b.deregister("kv")
+    pair.b.register("kv-new", pair.tb, pair.lb)
+    pair.a.connect(pair.b.metadata())
+    pair.a.write(pair.peer, [4], [5], region="kv").wait()  # the peer's one region, whatever its name
+    with pytest.raises(NotRegisteredError, match="peer 'b' has no region 'kv'"):
+        pair.a.write(pair.peer, [4], [6], region="kv", peer_region="kv")
+    assert_blocks_equal(pair.la, pair.ta, [0, 0, 4], pair.lb, pair.tb, [1, 2, 5])
+    assert_untouched(pair.lb, pair.tb, [1, 2, 5])
+
+
+def test_many_waiters_of_one_transfer_all_return(pair):
+    _stall_notifications(pair.b, 0.3)
+    t = pair.a.write(pair.peer, [0, 1], [2, 3], notify=bytearray(b"ba"), timeout=5)
+    done = []
+    threads = [threading.Thread(target=lambda: (t.wait(), done.append((t.poll(), time.monotonic()))))
+               for _ in range(4)]
+    for th in threads:
+        th.start()
+    t.wait()
+    for th in threads:
+        th.join(timeout=5)
+    assert [state for state, _ in done] == [TransferState.DONE] * 4
+    # woken by the end, not by the deadline (5 s after the post; the stall is 0.3 s)
+    assert all(when < t.deadline - 2.5 for _, when in done), (t.deadline, done)
+    t.wait()  # a finished transfer's wait returns at once, any number of times
+    assert_blocks_equal(pair.la, pair.ta, [0, 1], pair.lb, pair.tb, [2, 3])
+    assert [n.payload for n in pair.b.notifications()] == [b"ba"]
+
+
 def test_connect_to_stale_metadata_is_refused(pair):
     md = pair.b.metadata()
     pair.b.close()

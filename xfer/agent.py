@@ -66,6 +66,9 @@ class Agent:
         self._peers: dict[str, PeerHandle] = {}
         self._clients: dict[str, ControlClient] = {}
         self._routes: dict[tuple, Selection] = {}
+        # (peer, region, peer_region, op) -> what a post needs, its regions resolved, layouts found
+        # compatible and route chosen once; emptied by register, deregister, connect, disconnect
+        self._plans: dict[tuple, tuple] = {}
         self._inflight: set[Transfer] = set()
         self._prune_at = 64
         self._notes: collections.deque[Notification] = collections.deque()
@@ -130,6 +133,7 @@ class Agent:
                 if desc is not None:
                     exports[kind.value] = desc
             self._regions[name], self._exports[name] = region, exports
+            self._plans = {}  # a region named None resolves to the only one: no longer
 
     def deregister(self, name: str) -> None:
         self._check_open()
@@ -141,6 +145,7 @@ class Agent:
             for transport in self.transports.values():
                 transport.release_region(region)
             self._routes = {k: v for k, v in self._routes.items() if k[1] != name}
+            self._plans = {}
 
     # ---- peers -------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -182,6 +187,7 @@ class Agent:
             self._clients[md.name] = client
             self._peers[md.name] = PeerHandle(metadata=md, request=client.request)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != md.name}
+            self._plans = {}
         return md.name
 
     def publish(self, store) -> str:
@@ -205,6 +211,7 @@ class Agent:
                 raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
             self._clients.pop(peer).close()
             self._routes = {k: v for k, v in self._routes.items() if k[0] != peer}
+            self._plans = {}
         for transport in self.transports.values():
             transport.disconnect(handle.metadata.agent_id)
 
@@ -292,46 +299,64 @@ class Agent:
 
     def _post(self, op, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout,
               after="stream") -> Transfer:
-        self._check_open()
-        if not (after is None or (isinstance(after, str) and after == "stream") or isinstance(after, torch.cuda.Event)):
+        if self._closed:
+            self._check_open()
+        # the defaults (no deadline given, no payload, after="stream") pass without a check each:
+        # a post meets cold caches, where every call and isinstance costs microseconds
+        if after is not None and not (after.__class__ is str and after == "stream") and \
+                not isinstance(after, torch.cuda.Event):
             raise InvalidArgumentError(f"after must be 'stream', a torch.cuda.Event or None, got {after!r}")
-        timeout = self.config.default_timeout_s if timeout is None else timeout
-        if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+        if timeout is None:
+            timeout = self.config.default_timeout_s  # validated by AgentConfig
+        elif not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
             raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        if not isinstance(notify, (bytes, bytearray)):
-            raise InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+        if notify.__class__ is not bytes:
+            if not isinstance(notify, (bytes, bytearray)):
+                raise InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+            notify = bytes(notify)
         if len(notify) > self.config.max_notify_bytes:
             raise InvalidArgumentError(f"notify payload of {len(notify)} bytes exceeds max_notify_bytes="
                                        f"{self.config.max_notify_bytes}")
         with self._lock:
-            local, handle, record = self._resolve(peer, region, peer_region)
-            src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
-            src_layout.check_compatible(dst_layout, what="peer" if op is Op.WRITE else "local")
+            plan = self._plans.get((peer, region, peer_region, op is Op.WRITE))  # (an enum's hash runs Python)
+            if plan is None:
+                plan = self._plan(op, peer, region, peer_region)
+            local, handle, record, src_layout, dst_layout, transport, kind, cuda, block_bytes = plan
             src_ids = src_layout.check_block_ids(src_blocks, what="source block ids")
             dst_ids = dst_layout.check_block_ids(dst_blocks, what="destination block ids", unique=True)
             if src_ids.size != dst_ids.size:
                 raise LengthMismatchError(f"{src_ids.size} source block ids but {dst_ids.size} destination block ids")
-            selection = self._select(local, handle, record, op)
-            transport = self.transports[selection.kind]
             local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
-            transfer = Transfer(peer=peer, op=op, num_blocks=int(src_ids.size),
-                                nbytes=int(src_ids.size) * local.layout.bytes_per_block,
-                                path=selection.kind.value, timeout=float(timeout))
+            n = len(src_ids)
+            transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * block_bytes,
+                                path=kind, timeout=float(timeout))
             transfer._observer = self.metrics.ended
             if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))
             self._inflight.add(transfer)
         ready = None
-        if local.device.type == "cuda" and after is not None:  # order after what the caller queued
+        if cuda and after is not None:  # order after what the caller queued
             if isinstance(after, torch.cuda.Event):
                 ready = after
             else:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(local.device))
         transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
-                           local_ids=local_ids, peer_ids=peer_ids, notify=bytes(notify), ready=ready))
+                           local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready))
         return transfer
+
+    def _plan(self, op: Op, peer: str, region: str | None, peer_region: str | None) -> tuple:
+        """Resolve a post's regions, check their layouts and choose its route; cached (``_plans``)
+        once it all passed: a post to a known pair only checks its block ids."""
+        local, handle, record = self._resolve(peer, region, peer_region)
+        src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
+        src_layout.check_compatible(dst_layout, what="peer" if op is Op.WRITE else "local")
+        selection = self._select(local, handle, record, op)
+        plan = (local, handle, record, src_layout, dst_layout, self.transports[selection.kind], selection.kind.value,
+                local.device.type == "cuda", local.layout.bytes_per_block)
+        self._plans[(peer, region, peer_region, op is Op.WRITE)] = plan
+        return plan
 
     def send(self, peer: str, payload: bytes, *, timeout: float | None = None) -> None:
         """Deliver ``payload`` to ``peer`` as a :class:`Notification` (op MESSAGE, no blocks);

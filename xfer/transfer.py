@@ -7,9 +7,9 @@ between chunks, so a transfer nobody drives still reads TIMED_OUT once its deadl
 
 from __future__ import annotations
 
+import _thread
 import enum
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +20,8 @@ from .errors import TransferCancelledError, TransferTimeoutError, XferError
 __all__ = ["TransferState", "Transfer", "Notification", "Op"]
 
 _ids = itertools.count(1)
+# ids read "<counter>-<this process's start>": unique across restarts of an agent, one call to make
+_EPOCH = f"{time.time_ns() & 0xFFFFFFFF:08x}"
 
 
 class TransferState(enum.IntEnum):
@@ -53,11 +55,11 @@ class Transfer:
     """
 
     __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "copy_path", "deadline", "created",
-                 "finished", "_state", "_error", "_cancel_requested", "_cond", "_on_cancel",
+                 "finished", "_state", "_error", "_cancel_requested", "_lock", "_latch", "_on_cancel",
                  "_keepalive", "_observer", "marks")
 
     def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
-        self.id = f"{next(_ids):x}-{time.monotonic_ns() & 0xFFFFFFFF:08x}"
+        self.id = f"{next(_ids):x}-{_EPOCH}"
         self.peer, self.op, self.num_blocks, self.nbytes, self.path = peer, op, num_blocks, nbytes, path
         self.copy_path: str | None = None
         self.created = time.monotonic()
@@ -66,7 +68,11 @@ class Transfer:
         self._state = TransferState.QUEUED
         self._error: XferError | None = None
         self._cancel_requested = False
-        self._cond = threading.Condition()
+        # state changes under a plain lock; waiters block on a latch (a lock held until the end)
+        # made by the first of them. A Condition here cost ~40 us of a cold post (an RLock, its
+        # bound methods, a waiter deque): most transfers are waited on once, or polled
+        self._lock = _thread.allocate_lock()
+        self._latch = None
         self._on_cancel = None
         self._keepalive = None
         self._observer = None  # called once with the transfer when it ends (metrics, logs)
@@ -113,12 +119,15 @@ class Transfer:
         it passes the transfer is cancelled and :class:`TransferTimeoutError` is raised.
         """
         limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-        with self._cond:
-            while not self._state.terminal:
-                left = limit - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.5))
+        with self._lock:
+            latch = self._latch
+            if latch is None and not self._state.terminal:
+                latch = self._latch = _thread.allocate_lock()
+                latch.acquire()  # released once by _finish
+        if latch is not None:
+            left = limit - time.monotonic()
+            if left > 0 and latch.acquire(timeout=left):
+                latch.release()  # the next waiter's turn (a latch once released stays open)
         state = self.poll()
         if state is TransferState.DONE:
             return
@@ -149,20 +158,22 @@ class Transfer:
             f"reached its deadline of {self.deadline - self.created:.3f} s and was cancelled"))
 
     def _start(self, on_cancel=None, keepalive=None) -> None:
-        with self._cond:
+        with self._lock:
             if self._state is TransferState.QUEUED:
                 self._state = TransferState.RUNNING
             self._on_cancel, self._keepalive = on_cancel, keepalive
 
     def _finish(self, state: TransferState, error: XferError | None = None) -> bool:
         """Move to a terminal state once; later calls lose. Returns True if this call won."""
-        with self._cond:
+        with self._lock:
             if self._state.terminal:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
             on_cancel, self._on_cancel, self._keepalive = self._on_cancel, None, None
-            self._cond.notify_all()
+            latch = self._latch
+        if latch is not None:
+            latch.release()
         if on_cancel is not None and state is not TransferState.DONE:
             on_cancel(self)
         if self._observer is not None:

@@ -86,16 +86,19 @@ class RawProbe:
 
 
 def _gil_held_write():
-    """libc's ``write`` called with the GIL held (``os.write`` releases it around the syscall)."""
+    """libc's ``write`` called with the GIL held (``os.write`` releases it around the syscall),
+    with its arguments made once: no argtypes conversion on the call (a post's wake-up meets cold
+    caches)."""
     try:
         fn = ctypes.PyDLL(None).write
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ssize_t
+    fn.restype = ctypes.c_ssize_t
     return fn
 
 
 _WRITE = _gil_held_write()
+_BYTE, _ONE = ctypes.c_char_p(b"x"), ctypes.c_size_t(1)  # (the fd, a Python int, passes as a C int)
 
 
 def _wake(fd: int) -> None:
@@ -106,7 +109,7 @@ def _wake(fd: int) -> None:
     engine runs once the poster blocks (``wait``) or its switch interval ends. A full pipe
     (EAGAIN) or a closed one is ignored: the engine is awake or gone."""
     if _WRITE is not None:
-        _WRITE(fd, b"x", 1)
+        _WRITE(fd, _BYTE, _ONE)
         return
     try:
         os.write(fd, b"x")
@@ -622,7 +625,8 @@ class Engine:
             self.release_held(flow)
 
     def _teardown(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
+        fds, self._wake_w = (self._wake_r, self._wake_w), -1  # a late call_soon writes to no fd (not a reused one)
+        for fd in fds:
             os.close(fd)
         self._epoll.close()
         self.listener = None
