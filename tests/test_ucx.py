@@ -901,29 +901,24 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     assert placed * per > staged * per
 
 
-def test_the_engine_wake_writes_one_byte_and_ignores_a_full_or_closed_pipe():
+def test_the_engine_wake_adds_one_to_its_eventfd_and_ignores_a_closed_one():
     """``_wake`` (libc write with the GIL held, so the poster does not wait out the woken engine's
-    first burst of work) puts one byte in the engine's wake pipe; a full pipe (the engine is awake)
-    raises nothing."""
+    first burst of work) adds 1 to the engine's eventfd, once per call; a closed fd (-1 after the
+    engine's teardown) raises nothing."""
     import os
 
     from xfer.transports.ucx_engine import _wake
 
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
     try:
-        _wake(w)
-        assert os.read(r, 16) == b"x"
-        while True:  # fill the pipe
-            try:
-                os.write(w, b"y" * 65536)
-            except BlockingIOError:
-                break
-        _wake(w)
+        _wake(fd)
+        _wake(fd)
+        assert os.eventfd_read(fd) == 2
+        with pytest.raises(BlockingIOError):  # the read reset it: nothing more to wake for
+            os.eventfd_read(fd)
     finally:
-        os.close(r)
-        os.close(w)
+        os.close(fd)
+    _wake(-1)
 
 
 def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below_it():

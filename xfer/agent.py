@@ -329,8 +329,7 @@ class Agent:
             local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
             n = len(src_ids)
             transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * block_bytes,
-                                path=kind, timeout=float(timeout))
-            transfer._observer = self.metrics.ended
+                                path=kind, timeout=float(timeout), observer=self.metrics.ended)
             if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))

@@ -54,29 +54,31 @@ class Transfer:
     ``copy_engine_2d``, ...), else None.
     """
 
-    __slots__ = ("id", "peer", "op", "num_blocks", "nbytes", "path", "copy_path", "deadline", "created",
-                 "finished", "_state", "_error", "_cancel_requested", "_lock", "_latch", "_on_cancel",
-                 "_keepalive", "_observer", "marks")
+    __slots__ = ("_n", "peer", "op", "num_blocks", "nbytes", "path", "copy_path", "deadline", "created",
+                 "finished", "_state", "_error", "_lock", "_latch", "_on_cancel", "_keepalive", "_observer",
+                 "marks")
 
-    def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float):
-        self.id = f"{next(_ids):x}-{_EPOCH}"
+    def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float,
+                 observer=None):
+        # every line here is a cost of each post, on a core whose caches are usually cold: the id
+        # string is made when first read (on the transport's thread), the rest set in few statements
+        self._n = next(_ids)
         self.peer, self.op, self.num_blocks, self.nbytes, self.path = peer, op, num_blocks, nbytes, path
-        self.copy_path: str | None = None
-        self.created = time.monotonic()
-        self.deadline = self.created + timeout
-        self.finished: float | None = None
+        self.created = now = time.monotonic()
+        self.deadline = now + timeout
         self._state = TransferState.QUEUED
-        self._error: XferError | None = None
-        self._cancel_requested = False
         # state changes under a plain lock; waiters block on a latch (a lock held until the end)
-        # made by the first of them. A Condition here cost ~40 us of a cold post (an RLock, its
-        # bound methods, a waiter deque): most transfers are waited on once, or polled
+        # made by the first of them (a Condition cost ~40 us of a cold post: an RLock, its bound
+        # methods, a waiter deque; most transfers are waited on once, or polled)
         self._lock = _thread.allocate_lock()
-        self._latch = None
-        self._on_cancel = None
-        self._keepalive = None
-        self._observer = None  # called once with the transfer when it ends (metrics, logs)
+        self.copy_path = self.finished = self._error = self._latch = self._on_cancel = self._keepalive = None
+        self._observer = observer  # called once with the transfer when it ends (metrics, logs)
         self.marks: list[tuple[str, float]] = []  # (phase, time.monotonic()) the transport reached
+
+    @property
+    def id(self) -> str:
+        """``<counter>-<process start>``, unique across restarts of an agent."""
+        return f"{self._n:x}-{_EPOCH}"
 
     def __repr__(self) -> str:
         return (f"Transfer(id={self.id}, {self.op.value} {self.num_blocks} blocks {self.nbytes} B "

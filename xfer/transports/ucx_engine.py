@@ -98,21 +98,22 @@ def _gil_held_write():
 
 
 _WRITE = _gil_held_write()
-_BYTE, _ONE = ctypes.c_char_p(b"x"), ctypes.c_size_t(1)  # (the fd, a Python int, passes as a C int)
+# an eventfd's increment (8 bytes), made once (the fd, a Python int, passes as a C int)
+_INCR, _INCR_BYTES = ctypes.pointer(ctypes.c_uint64(1)), ctypes.c_size_t(8)
 
 
 def _wake(fd: int) -> None:
-    """Wake the engine from its epoll without handing it the GIL. Through ``os.write`` the woken
-    engine thread took the GIL while the poster was inside the syscall, and the poster then waited
-    out the engine's whole first burst of work (the REQ, a small chunk's gather and send): a
-    2 MiB write() call took ~0.8 ms of wall time for ~0.12 ms of its own CPU on the CPU VM. Now the
-    engine runs once the poster blocks (``wait``) or its switch interval ends. A full pipe
-    (EAGAIN) or a closed one is ignored: the engine is awake or gone."""
+    """Wake the engine from its epoll (``fd``: its eventfd) without handing it the GIL. Through
+    ``os.write`` the woken engine thread took the GIL while the poster was inside the syscall, and
+    the poster then waited out the engine's whole first burst of work (the REQ, a small chunk's
+    gather and send): a 2 MiB write() call took ~0.8 ms of wall time for ~0.12 ms of its own CPU
+    on the CPU VM. Now the engine runs once the poster blocks (``wait``) or its switch interval
+    ends. A closed fd (-1 after teardown) is ignored: the engine is gone."""
     if _WRITE is not None:
-        _WRITE(fd, _BYTE, _ONE)
+        _WRITE(fd, _INCR, _INCR_BYTES)
         return
     try:
-        os.write(fd, b"x")
+        os.eventfd_write(fd, 1)
     except OSError:
         pass
 
@@ -168,9 +169,9 @@ class Engine:
         self.listener = u.UCXListener.create(self.worker, settings.port, self._conn_requests.append)
         self.port = self.listener.port
         self._epoll = select.epoll()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # posts wake the loop through an eventfd: one 8-byte write, one read resets it (a pipe took
+        # a read more, ending in EAGAIN, on each wake-up)
+        self._wake_r = self._wake_w = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._inbox: collections.deque = collections.deque()
@@ -241,9 +242,8 @@ class Engine:
                     for fd, _ in self._epoll.poll(self._timeout()):
                         if fd == self._wake_r:
                             try:
-                                while os.read(self._wake_r, 4096):
-                                    pass
-                            except BlockingIOError:
+                                os.eventfd_read(self._wake_r)
+                            except BlockingIOError:  # reset by an earlier read
                                 pass
                 self._sleeping = False
         except Exception:  # a bug: fail everything rather than leave transfers hanging
@@ -625,9 +625,8 @@ class Engine:
             self.release_held(flow)
 
     def _teardown(self) -> None:
-        fds, self._wake_w = (self._wake_r, self._wake_w), -1  # a late call_soon writes to no fd (not a reused one)
-        for fd in fds:
-            os.close(fd)
+        fd, self._wake_w = self._wake_r, -1  # a late call_soon writes to no fd (not a reused one)
+        os.close(fd)
         self._epoll.close()
         self.listener = None
         self.proto = None
