@@ -901,6 +901,43 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     assert placed * per > staged * per
 
 
+def test_the_peers_side_in_place_is_judged_from_its_metadata_and_cuts_fewer_chunks():
+    """The initiator plans PIPELINE_MIN_CHUNKS_IN_PLACE chunks also where only the PEER moves its
+    side in place (a gathered send into a receive straight into the blocks: one copy stage left),
+    judged from the thresholds the peer publishes in its UCX info (None: never) and its region's
+    record; an agent publishes its own."""
+    from types import SimpleNamespace
+
+    from xfer.transports import ucx_proto
+    from xfer.transports.ucx_flow import peer_in_place
+
+    dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
+    layout = make_kv_cache(KIND, **dims)[1]
+    other_order = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_HND, **dims)[1]
+    packed = make_kv_cache(LayoutKind.PACKED_KV, **dims)[1]  # K | V in one row: not whole rows
+    host = SimpleNamespace(layout=layout, device="cpu")
+    info = {"iov_min_bytes": 0, "iov_recv_min_bytes": 0}
+    assert peer_in_place(info, host, False, layout) and peer_in_place(info, host, True, layout)
+    assert not peer_in_place(info, host, False, other_order)  # lands in the sender's order: must match
+    assert peer_in_place(info, SimpleNamespace(layout=other_order, device="cpu"), True, other_order)
+    assert not peer_in_place(info, SimpleNamespace(layout=layout, device="cuda:0"), False, layout)
+    assert not peer_in_place(info, SimpleNamespace(layout=packed, device="cpu"), False, packed)
+    over = layout.block_nbytes + 1
+    for bad in (None, over, True, -1, "0"):  # off, blocks too small, not an int (an older or odd peer)
+        assert not peer_in_place({"iov_min_bytes": bad, "iov_recv_min_bytes": bad}, host, False, layout)
+        assert not peer_in_place({"iov_min_bytes": bad, "iov_recv_min_bytes": bad}, host, True, layout)
+    assert not peer_in_place({}, host, False, layout)
+    # the directions apart: the peer's receive threshold decides a WRITE, its send threshold a READ
+    assert peer_in_place({"iov_min_bytes": over, "iov_recv_min_bytes": 0}, host, False, layout)
+    assert not peer_in_place({"iov_min_bytes": over, "iov_recv_min_bytes": 0}, host, True, layout)
+    assert ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE < ucx_proto.PIPELINE_MIN_CHUNKS
+    with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+        from xfer.metadata import decode
+
+        mine = decode(agent.metadata()).transports["ucx"]
+        assert mine["iov_min_bytes"] == 8192 and mine["iov_recv_min_bytes"] == 0  # the defaults: 4 KiB gathered
+
+
 def test_the_engine_wake_adds_one_to_its_eventfd_and_ignores_a_closed_one():
     """``_wake`` (libc write with the GIL held, so the poster does not wait out the woken engine's
     first burst of work) adds 1 to the engine's eventfd, once per call; a closed fd (-1 after the

@@ -96,7 +96,11 @@ class UcxTransport(Transport):
         e = self._engine
         return {"version": VERSION, "address": self.address, "port": e.port, "host_id": self.ctx.host_id,
                 "cuda": bool(e.context.cuda_support), "tls": e.context.config.get("TLS", ""),
-                "chunk_bytes": self.settings.chunk_bytes, "device_chunk_bytes": self.settings.device_chunk_bytes}
+                "chunk_bytes": self.settings.chunk_bytes, "device_chunk_bytes": self.settings.device_chunk_bytes,
+                # the block sizes from which this side sends / receives host blocks in place (None:
+                # never): the initiator plans fewer chunks where either side does (ucx_proto)
+                "iov_min_bytes": self.settings.iov_min_bytes if e.iov is not None else None,
+                "iov_recv_min_bytes": self.settings.iov_recv_min_bytes if e.iov_rx else None}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         return {"device": str(region.device)}

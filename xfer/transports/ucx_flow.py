@@ -24,9 +24,9 @@ import numpy as np
 from ..errors import PeerDisconnectedError
 from ..layout import KVLayout
 from ..transfer import Op, Transfer
-from .ucx_stage import BlockCopier, Chunk, Slot
+from .ucx_stage import BlockCopier, Chunk, Slot, host_rows
 
-__all__ = ["Flow", "in_place"]
+__all__ = ["Flow", "in_place", "peer_in_place"]
 
 # Receives of one flow posted at once. One: a rendezvous chunk then has the wire to itself and
 # lands whole before the next starts, so its scatter overlaps the next chunk's wire time (with
@@ -53,6 +53,21 @@ def in_place(engine, sending: bool, copier: BlockCopier, pool, sender_layout: KV
     if sending:
         return getattr(engine, "iov", None) is not None
     return bool(getattr(engine, "iov_rx", False)) and sender_layout.inner_order == copier.layout.inner_order
+
+
+def peer_in_place(info: dict, peer_region, peer_sends: bool, sender_layout: KVLayout) -> bool:
+    """Whether the peer moves its side of a transfer in place (the mirror of ``in_place``), judged
+    from its published UCX ``info`` (``iov_min_bytes`` / ``iov_recv_min_bytes``: None where its raw
+    binding, or that direction of it, is off) and its region's record: host rows, blocks big enough,
+    and for a receive the sender's block order. A peer that publishes neither (an older agent)
+    counts as staging."""
+    least = info.get("iov_min_bytes" if peer_sends else "iov_recv_min_bytes")
+    if not isinstance(least, int) or isinstance(least, bool) or least < 0:
+        return False
+    layout = peer_region.layout
+    if str(peer_region.device) != "cpu" or not host_rows(layout) or sender_layout.block_nbytes < least:
+        return False
+    return peer_sends or sender_layout.inner_order == layout.inner_order
 
 
 class Flow:

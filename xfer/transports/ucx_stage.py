@@ -31,7 +31,7 @@ from ..kernels import staging_layout as kernel_staging_layout
 from ..layout import KVLayout
 
 __all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout",
-           "staging_layout"]
+           "staging_layout", "host_rows"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,14 @@ class StagingPool:
         self._free.append(slot.index)
 
 
+def host_rows(layout: KVLayout) -> bool:
+    """Whether every block of ``layout`` is a whole row of its base tensor (contiguous, at a multiple
+    of its size): what the host fast path (and a chunk moved in place) needs. A property of the
+    layout alone, so a peer's region can be judged from its metadata."""
+    bn = layout.block_numel
+    return bool(layout.block_contiguous and not layout.block_stride % bn and not any(o % bn for o in layout.slot_offset))
+
+
 class BlockCopier:
     """Gathers / scatters chunks of one region (its layout and base tensors).
 
@@ -178,7 +186,7 @@ class BlockCopier:
     def __init__(self, layout: KVLayout, tensors: list[torch.Tensor]):
         self.layout, self.tensors = layout, tensors
         self.device = tensors[0].device
-        self.rows = self._rows() if self.device.type == "cpu" else None
+        self.rows = host_rows(layout) if self.device.type == "cpu" else None
         self.span = self._span() if self.rows else None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # CUDA: every copy runs on ``stream`` and is waited for before the call returns, so the
@@ -190,11 +198,6 @@ class BlockCopier:
     @property
     def path(self) -> str:
         return "host rows" if self.rows else ("triton" if self.device.type == "cuda" else "torch reference")
-
-    def _rows(self) -> bool:
-        """Whether every block is a whole row (contiguous, at a multiple of its size)."""
-        lay, bn = self.layout, self.layout.block_numel
-        return bool(lay.block_contiguous and not lay.block_stride % bn and not any(o % bn for o in lay.slot_offset))
 
     def _span(self):
         """(row view for reads, np.void rows for writes, row of block 0 per slot, row step)."""
