@@ -36,8 +36,10 @@ measures, instead of the host ceilings:
   the JSON records UCX_TLS and the contexts' transports; the received bytes are checked once).
 
 ``--chunk-bytes`` sets ``XFER_UCX_CHUNK_BYTES`` (host slots, e.g. 64M) for both processes. A host
-transfer is still cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, so 64M slots move 512 MiB
-as 16 x 32 MiB. ``--device-chunk-bytes`` sets ``XFER_UCX_DEVICE_CHUNK_BYTES`` (device slots, 64M by
+transfer is still cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, ``XFER_UCX_MIN_CHUNKS_IN_PLACE``
+(4) where either side moves its blocks in place, so 64M slots move the 512 MiB case as 8 x 64 MiB.
+``bench/ucx_floor.py`` measures what UCX and the host's memory make of the small cases' blocks
+without xfer (their floors). ``--device-chunk-bytes`` sets ``XFER_UCX_DEVICE_CHUNK_BYTES`` (device slots, 64M by
 default; a device-to-device transfer is cut into as few chunks as fit).
 
     python bench/ucx_bench.py [--iters 7] [--netns] [--json out.json] [--device cuda:0] [--chunk-bytes 64M]

@@ -807,6 +807,28 @@ def test_ucx_bench_dry_run_writes_its_record(tmp_path):
     assert bad.returncode == 2 and "unknown case(s) ['2']" in bad.stderr
 
 
+def test_ucx_floor_measures_ucx_and_the_gather_without_xfer(tmp_path):
+    """bench/ucx_floor.py on the 512 B case: ucx_perftest's one-way times (contiguous, the blocks as
+    a list on either side) and the gather warm and cold land in its JSON, every figure positive."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "floor.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES="lo")
+    run = subprocess.run([sys.executable, str(root / "bench" / "ucx_floor.py"), "--cases", "32x64x512B", "--iters",
+                          "20", "--json", str(out)], capture_output=True, text=True, env=env, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["case"] == "32x64x512B" and res["block_bytes"] == 512 and res["entries"] * 512 == res["bytes"]
+    assert set(res["one_way_ms"]) == {"contig", "iov-contig", "contig-iov"} and min(res["one_way_ms"].values()) > 0
+    assert min(res["copy_ms"].values()) > 0 and res["cold_gather_vs_contig_send"] > 0
+    assert "32x64x512B" in run.stdout
+
+
 def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     """UCX calls the close callback inside progress, where the endpoint's handle may already be
     freed; the connection only fails on the next loop turn. The raw IOV send must not use the
