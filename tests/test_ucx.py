@@ -952,12 +952,39 @@ def test_the_peers_side_in_place_is_judged_from_its_metadata_and_cuts_fewer_chun
     # the directions apart: the peer's receive threshold decides a WRITE, its send threshold a READ
     assert peer_in_place({"iov_min_bytes": over, "iov_recv_min_bytes": 0}, host, False, layout)
     assert not peer_in_place({"iov_min_bytes": over, "iov_recv_min_bytes": 0}, host, True, layout)
-    assert ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE < ucx_proto.PIPELINE_MIN_CHUNKS
-    with Agent("me", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
-        from xfer.metadata import decode
 
-        mine = decode(agent.metadata()).transports["ucx"]
-        assert mine["iov_min_bytes"] == 8192 and mine["iov_recv_min_bytes"] == 0  # the defaults: 4 KiB gathered
+
+
+def test_a_gathered_write_into_an_in_place_receive_is_cut_into_fewer_chunks(env, monkeypatch):
+    """End to end, two agents over UCX: a write of blocks too small to send in place, to a peer that
+    publishes that it receives in place (the default), is planned with PIPELINE_MIN_CHUNKS_IN_PLACE;
+    to a peer with in-place receives off (``XFER_UCX_IOV_RECV=0``: it publishes None), with
+    PIPELINE_MIN_CHUNKS. Either way every byte lands and nothing else is touched."""
+    from xfer.metadata import decode
+    from xfer.transports import ucx_proto
+
+    plans = []
+    real = ucx_proto.plan_chunks
+    monkeypatch.setattr(ucx_proto, "plan_chunks", lambda *a: plans.append(a[3]) or real(*a))
+    src, layout = make_kv_cache(KIND, **SEED)
+    fill_random(src, seed=11)
+    ids, dst_ids = list(range(0, 64, 2)), list(range(1, 64, 2))[::-1]
+    with Agent("init", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
+        agent.register("kv", src, layout)
+        for recv_in_place, want in (("1", ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE), ("0", ucx_proto.PIPELINE_MIN_CHUNKS)):
+            monkeypatch.setenv("XFER_UCX_IOV_RECV", recv_in_place)
+            dst, dst_layout = make_kv_cache(KIND, **SEED)
+            poison(dst)
+            with Agent("target", AgentConfig(transport="ucx", default_timeout_s=20)) as target:
+                target.register("kv", dst, dst_layout)
+                info = decode(target.metadata()).transports["ucx"]
+                assert info["iov_min_bytes"] == 8192  # the default: 4 KiB blocks and smaller are gathered
+                assert info["iov_recv_min_bytes"] == (0 if recv_in_place == "1" else None)
+                plans.clear()
+                agent.write(agent.connect(target.metadata()), ids, dst_ids).wait()
+                assert plans == [want]
+                assert_blocks_equal(layout, src, ids, dst_layout, dst, dst_ids)
+                assert_untouched(dst_layout, dst, dst_ids)
 
 
 def test_the_engine_wake_adds_one_to_its_eventfd_and_ignores_a_closed_one():

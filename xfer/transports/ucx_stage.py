@@ -164,10 +164,12 @@ class StagingPool:
         self._free.append(slot.index)
 
 
+@functools.lru_cache(maxsize=256)
 def host_rows(layout: KVLayout) -> bool:
     """Whether every block of ``layout`` is a whole row of its base tensor (contiguous, at a multiple
     of its size): what the host fast path (and a chunk moved in place) needs. A property of the
-    layout alone, so a peer's region can be judged from its metadata."""
+    layout alone, so a peer's region can be judged from its metadata; memoized (it walks every
+    slot, and each transfer's start asks it of the peer's layout)."""
     bn = layout.block_numel
     return bool(layout.block_contiguous and not layout.block_stride % bn and not any(o % bn for o in layout.slot_offset))
 
