@@ -239,6 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.OK
     role = _check_flags(args, p)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build does not know
+    from xfer._stdio import own_stdout
+
+    # stdout carries the table or the JSON document alone: what libraries print there (Gloo's
+    # "[Gloo] Rank 1 is connected to 1 peer ranks") goes to stderr, children's included
+    with own_stdout() as args.stdout:
+        return _run(args, role, p)
+
+
+def _run(args, role: str, p) -> int:
     from . import roles
 
     try:

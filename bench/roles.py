@@ -239,9 +239,14 @@ def _session(args, store, channel, info, bind, mode, device, workloads) -> int:
         paths += more
         if note:
             log(note)
-    print(json.dumps(doc, indent=1) if args.json else text, flush=True)
+    out = getattr(args, "stdout", None) or sys.stdout  # the CLI's own stdout: libraries print to stderr
+    print(json.dumps(doc, indent=1) if args.json else text, file=out, flush=True)
     names = ", ".join(x.name for x in paths)
-    (log if args.json else print)(f"\nresults: {folder}/ ({names})")
+    where = f"\nresults: {folder}/ ({names})"
+    if args.json:
+        log(where)
+    else:
+        print(where, file=out, flush=True)
     return _status(doc)
 
 

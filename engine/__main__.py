@@ -30,14 +30,14 @@ def _requests(n: int, vocab: int, prompt: tuple[int, int], max_new: int, seed: i
             for i in range(n)]
 
 
-def _check(spec, reqs: list[Request], results: list[dict]) -> int:
+def _check(spec, reqs: list[Request], results: list[dict], out) -> int:
     from .model import build_model, hf_generate
 
     model = build_model(spec)
     bad = [r.id for r, x in zip(reqs, results, strict=True)
            if x["tokens"] != hf_generate(model, r.prompt, r.max_new_tokens)]
     print(f"check: {len(reqs) - len(bad)}/{len(reqs)} requests equal single-process HF generate"
-          + (f"; differ: {bad}" if bad else ""))
+          + (f"; differ: {bad}" if bad else ""), file=out, flush=True)
     return len(bad)
 
 
@@ -67,7 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="verify tokens against single-process HF generate")
     ap.add_argument("--out", help="write the summary as JSON here")
     args = ap.parse_args(argv)
+    from xfer._stdio import own_stdout
 
+    # stdout carries the table alone: what libraries print there (Gloo's "[Gloo] Rank 1 is
+    # connected to 1 peer ranks" in the TP ranks' processes) goes to stderr
+    with own_stdout() as out:
+        return _run(args, out)
+
+
+def _run(args, out) -> int:
     from .router import Router
 
     if args.device == "cpu":
@@ -81,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(x) for x in args.rates.split(",") if x] or [args.rate]
     print(f"model {args.model} ({spec.num_layers} layers, {spec.num_kv_heads} kv heads), {args.prefill} prefill "
           f"(x{args.prefill_tp} TP ranks) + "
-          f"{args.decode} decode instances, prompts {lo}-{hi} tokens, {args.max_new} new tokens each")
+          f"{args.decode} decode instances, prompts {lo}-{hi} tokens, {args.max_new} new tokens each", file=out)
     print(f"{'rate/s':>10} {'reqs':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT ms':>8} {'xfer ms':>9} "
-          f"{'xfer %':>8} {'swaps':>5} {'swap s':>7}")
+          f"{'xfer %':>8} {'swaps':>5} {'swap s':>7}", file=out, flush=True)
     report, failures = {"args": vars(args), "runs": []}, 0
     with Router(spec, num_prefill=args.prefill, num_decode=args.decode, wait=WaitMode(args.wait), prefill_tp=args.prefill_tp,
                 prefill_pool=PoolSpec(num_blocks=args.prefill_blocks, **pool),
@@ -94,15 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             results = router.run(reqs, rate=rate)
             summary = {"rate": rate, "wall_s": time.time() - t0, **summarize(results)}
             report["runs"].append(summary)
-            print(_row(f"{rate:g}", summary))
+            print(_row(f"{rate:g}", summary), file=out, flush=True)
             if args.check:
-                failures += _check(spec, reqs, results)
+                failures += _check(spec, reqs, results, out)
         router.close()
         report["swap_stats"] = router.stats()
     print("per decode instance, whole session: " + ", ".join(
         f"{n}: {s.get('swaps', 0)} swaps, {s.get('swap_seconds', 0.0):.3f} s, {s.get('decode_steps', 0)} decode steps "
         f"of {s.get('mean_batch', 0.0):.1f} requests on average (max {s.get('max_batch', 0)})"
-        for n, s in report["swap_stats"].items()))
+        for n, s in report["swap_stats"].items()), file=out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
