@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
+pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
 from bench.target import block_digests  # noqa: E402
 from bench.ucx_bench import CASES, KIND, Server, dims_of, ids_of  # noqa: E402

@@ -6,11 +6,13 @@ import time
 import pytest
 import torch
 
-from xfer.engine.config import PRESETS, ModelSpec, PoolSpec, WaitMode
-from xfer.engine.decode import DecodeInstance
-from xfer.engine.model import build_model, hf_generate
-from xfer.engine.prefill import PrefillInstance
-from xfer.engine.protocol import Request
+pytest.importorskip("transformers", reason="the engine needs transformers: pip install -e '.[engine]'")
+
+from xfer.engine.config import PRESETS, ModelSpec, PoolSpec, WaitMode  # noqa: E402
+from xfer.engine.decode import DecodeInstance  # noqa: E402
+from xfer.engine.model import build_model, hf_generate  # noqa: E402
+from xfer.engine.prefill import PrefillInstance  # noqa: E402
+from xfer.engine.protocol import Request  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,14 +8,16 @@ import time
 import pytest
 import torch
 
-from xfer.engine.config import PRESETS, PoolSpec, WaitMode
-from xfer.engine.decode import DecodeInstance
-from xfer.engine.model import build_model, hf_generate
-from xfer.engine.prefill import PrefillInstance
-from xfer.engine.protocol import Request, TokenNote, decode
-from xfer.errors import XferError
+pytest.importorskip("transformers", reason="the engine needs transformers: pip install -e '.[engine]'")
 
-from helpers import one_torch_thread
+from xfer.engine.config import PRESETS, PoolSpec, WaitMode  # noqa: E402
+from xfer.engine.decode import DecodeInstance  # noqa: E402
+from xfer.engine.model import build_model, hf_generate  # noqa: E402
+from xfer.engine.prefill import PrefillInstance  # noqa: E402
+from xfer.engine.protocol import Request, TokenNote, decode  # noqa: E402
+from xfer.errors import XferError  # noqa: E402
+
+from helpers import one_torch_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,13 +5,15 @@ per-layer waits and swap under decode memory pressure), metrics are sane, proces
 import pytest
 import torch
 
-from xfer.engine.config import PRESETS, PoolSpec, WaitMode
-from xfer.engine.metrics import summarize
-from xfer.engine.model import build_model, hf_generate
-from xfer.engine.protocol import Request
-from xfer.engine.router import Router, prestart
+pytest.importorskip("transformers", reason="the engine needs transformers: pip install -e '.[engine]'")
 
-from helpers import one_torch_thread
+from xfer.engine.config import PRESETS, PoolSpec, WaitMode  # noqa: E402
+from xfer.engine.metrics import summarize  # noqa: E402
+from xfer.engine.model import build_model, hf_generate  # noqa: E402
+from xfer.engine.protocol import Request  # noqa: E402
+from xfer.engine.router import Router, prestart  # noqa: E402
+
+from helpers import one_torch_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,15 +4,17 @@ transformers Cache against single-process HF generation (Llama and Qwen2, severa
 import pytest
 import torch
 
-from xfer import LayoutKind
-from xfer.engine.block_manager import BlockManager, OutOfBlocksError, blocks_for
-from xfer.engine.config import PRESETS, ModelSpec, PoolSpec
-from xfer.engine.kv_pool import KVPool, head_layout, layer_layout
-from xfer.engine.model import build_model, hf_generate, next_token_logits
-from xfer.engine.paged_cache import PagedCache
-from xfer.errors import InvalidArgumentError
+pytest.importorskip("transformers", reason="the engine needs transformers: pip install -e '.[engine]'")
 
-from helpers import one_torch_thread
+from xfer import LayoutKind  # noqa: E402
+from xfer.engine.block_manager import BlockManager, OutOfBlocksError, blocks_for  # noqa: E402
+from xfer.engine.config import PRESETS, ModelSpec, PoolSpec  # noqa: E402
+from xfer.engine.kv_pool import KVPool, head_layout, layer_layout  # noqa: E402
+from xfer.engine.model import build_model, hf_generate, next_token_logits  # noqa: E402
+from xfer.engine.paged_cache import PagedCache  # noqa: E402
+from xfer.errors import InvalidArgumentError  # noqa: E402
+
+from helpers import one_torch_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

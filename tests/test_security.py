@@ -257,7 +257,7 @@ def test_metadata_of_random_bytes_is_a_metadata_error():
 
 
 def test_ucx_messages_are_authenticated():
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install -e '.[ucx]')")
+    pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
     ucx = ("ucx",)
     a, b, (ta, la), (tb, lb) = make_pair(SECRET, SECRET, enable=ucx)
     try:
@@ -284,7 +284,7 @@ def test_ucx_messages_are_authenticated():
 
 
 def test_metrics_and_transfer_logs(caplog):
-    prometheus_client = pytest.importorskip("prometheus_client", reason="pip install -e '.[metrics]'")
+    prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client: pip install -e '.[metrics]'")
     a, b, _, _ = make_pair(None, None)
     try:
         peer = a.connect(b.metadata())

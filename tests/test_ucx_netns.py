@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
+pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
 from ucx_helpers import CHUNK_DELAY, NetnsPair, UcxPeer, assert_peer_blocks, expected_blocks, netns_skip_reason  # noqa: E402
 from xfer import LayoutKind  # noqa: E402
