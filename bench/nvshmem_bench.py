@@ -235,7 +235,7 @@ def _verify_wait(t, tr, decode, path: str, snapshot_s: float) -> None:
 def _run_paths(agent, tr, decode, src, dst, args, dims, rows, paths):
     """Verify, then time, each path; appends to ``rows`` and ``paths``; returns (payload bytes, layout)."""
     from xfer.bench.target import block_digests
-    from xfer.transports import nvshmem_proto as proto
+    from xfer.transports.nvshmem import proto as proto
 
     dev, sync = tr.rt.device, (lambda: _sync(tr.rt.device))
     one_pe = tr.rt.size == 1

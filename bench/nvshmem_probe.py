@@ -107,7 +107,7 @@ def _words(rt, limit: float) -> str:
 
 def pe_main(rank: int, size: int, device: int, store_url: str, limit: float, conn=None) -> list[str]:
     from xfer.config import NvshmemGroup
-    from xfer.transports import nvshmem_runtime
+    from xfer.transports.nvshmem import runtime as nvshmem_runtime
 
     group = NvshmemGroup(store=store_url, name="probe", rank=rank, size=size, device=device,
                          staging_bytes=1 << 20, init_timeout_s=60.0)

@@ -54,7 +54,7 @@ def perftest_binary() -> tuple[Path, Path]:
 
 
 def perftest_env(lib: Path) -> dict:
-    from xfer.transports.ucx_wire import TUNED_UCX
+    from xfer.transports.ucx.wire import TUNED_UCX
 
     env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_WARN_UNUSED_ENV_VARS="n")
@@ -121,7 +121,7 @@ def timed(fn, cold: bool, n: int = 31) -> float:
 
 def run_case(case: str, cpus, iters: int) -> dict:
     from xfer import make_kv_cache
-    from xfer.transports.ucx_stage import BlockCopier
+    from xfer.transports.ucx.staging import BlockCopier
 
     tensors, layout = make_kv_cache(KIND, **dims_of(case))
     for t in tensors:

@@ -26,7 +26,7 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM  # noqa: F401
 from transformers.masking_utils import create_causal_mask  # noqa: F401
 
 import xfer.kernels
-import xfer.transports.local  # noqa: F401
+import xfer.transports.onesided.local  # noqa: F401
 
 from xfer.errors import XferError
 from xfer.store import open_store

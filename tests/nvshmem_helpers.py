@@ -2,7 +2,7 @@
 
 ``FakeFabric``: PEs of one NVSHMEM group inside one process, on the CPU, for the protocol tests
 that need no GPU. It implements the runtime interface the lanes use (see
-``xfer.transports.nvshmem_runtime``): symmetric areas and signal words as CPU tensors, and CUDA
+``xfer.transports.nvshmem.runtime``): symmetric areas and signal words as CPU tensors, and CUDA
 streams emulated by threads that run their operations in order, an on-stream wait retrying until
 it holds. ``pause()`` stalls every stream of a PE (a GPU stuck behind other work).
 
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from xfer.errors import TransportError
-from xfer.transports import nvshmem_runtime
-from xfer.transports.nvshmem_lanes import Lanes
-from xfer.transports.nvshmem_proto import StagingPlan
+from xfer.transports.nvshmem import runtime as nvshmem_runtime
+from xfer.transports.nvshmem.lanes import Lanes
+from xfer.transports.nvshmem.proto import StagingPlan
 
 _BIG = 1 << 40
 

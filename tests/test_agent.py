@@ -366,7 +366,7 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
     """Transfers to one peer whose copies ended while a notice was in flight go in one
     ``notify_batch`` message; every transfer still gets its own notification, in order, with its
     payload, and a notice the peer refuses fails only its own transfer."""
-    from xfer.transports import onesided
+    from xfer.transports.onesided import transport as onesided
 
     sizes, real_single, real_batch = [], onesided.notify_peer, onesided.notify_peer_batch
 
@@ -409,8 +409,8 @@ def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair,
     """A copy queued on a stream is launched by the posting thread when nothing posted earlier
     waits to launch; otherwise it queues behind, and launches stay in posting order (three writes
     of one destination block from different sources: the last one's bytes are what remain)."""
-    from xfer.transports import onesided
-    from xfer.transports.local import LocalTransport
+    from xfer.transports.onesided import transport as onesided
+    from xfer.transports.onesided.local import LocalTransport
 
     launched, gate, stream = [], threading.Event(), object()
     real_launch = onesided.OneSidedTransport._launch

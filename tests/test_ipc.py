@@ -11,7 +11,7 @@ import torch
 from helpers import PeerProcess, assert_blocks_equal, assert_untouched, fill_random, small_dims
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache
 from xfer.errors import InvalidArgumentError, PeerDisconnectedError, TransferTimeoutError, TransportError
-from xfer.transports.ipc import decode_share, encode_share
+from xfer.transports.onesided.ipc import decode_share, encode_share
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,7 +46,7 @@ def test_memory_outside_torchs_allocator_is_refused_by_name():
     from types import SimpleNamespace
 
     from xfer.metadata import RegionRecord
-    from xfer.transports.ipc import IpcTransport
+    from xfer.transports.onesided.ipc import IpcTransport
 
     class Storage:
         def _share_cuda_(self):

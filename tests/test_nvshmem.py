@@ -24,11 +24,13 @@ from xfer.config import NvshmemGroup
 from xfer.errors import (InvalidArgumentError, LayoutMismatchError, NotRegisteredError,
                          TransferCancelledError, TransferTimeoutError, TransportError, TransportUnavailableError)
 from xfer.store import open_store
-from xfer.transports import nvshmem_bootstrap as bootstrap
-from xfer.transports import nvshmem_lanes, nvshmem_runtime
-from xfer.transports import nvshmem_proto as proto
+from xfer.transports.nvshmem import bootstrap as bootstrap
+from xfer.transports.nvshmem import lanes as nvshmem_lanes
+from xfer.transports.nvshmem import runtime as nvshmem_runtime
+from xfer.transports.nvshmem import proto as proto
 from xfer.transports.base import TransportContext
-from xfer.transports.nvshmem import NvshmemTransport, check_group
+from xfer.transports.nvshmem import NvshmemTransport
+from xfer.transports.nvshmem.transport import check_group
 
 NHD, HND = LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND
 

@@ -18,7 +18,7 @@ those after a flap: the agent stays usable; in a kill round, the transfers into 
 live); the initiator's RSS growth after warm-up stays bounded. One summary line is printed
 (``pytest -s``), and one line a round.
 
-The exception, a two-generals case (documented in xfer/transports/ucx.py): when a flap delays
+The exception, a two-generals case (documented in xfer/transports/ucx/transport.py): when a flap delays
 the target's ACK past the initiator's deadline, the target has landed every byte and delivered
 its notification while the initiator reports TIMED_OUT (or the link's failure). Such a transfer
 is counted and reported apart (``reported-but-not-done``), not failed on, provided its blocks on
@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
+pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
 from helpers import fill_random  # noqa: E402
 from ucx_helpers import NetnsPair, UcxPeer, netns_skip_reason  # noqa: E402

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (pip install ucxx-cu12)")
+pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
 from helpers import assert_blocks_equal, assert_untouched, block_bytes, fill_random, poison  # noqa: E402
 from ucx_helpers import CHUNK_DELAY, UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
@@ -295,8 +295,8 @@ def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(
     usual delay it took, and refuses it once that exceeds its ttl. The initiator's CANCEL is
     dropped here (as a cut link may lose it), so only that rule stands between the woken target
     and a delivery (without it: the chunks land and the peer is notified, every time)."""
-    from xfer.transports.ucx_proto import Protocol
-    from xfer.transports.ucx_wire import Kind
+    from xfer.transports.ucx.protocol import Protocol
+    from xfer.transports.ucx.wire import Kind
 
     agent, _, _ = local
     peer = agent.connect(decode.metadata)
@@ -324,8 +324,8 @@ def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(
 def test_request_delay_is_judged_against_the_connections_least_delay():
     """Conn.req_delay: the first REQ sets the floor; a later one's delay beyond it is returned; a
     faster one lowers it; the floor creeps up by CLOCK_DRIFT a second, so slow drift is no delay."""
-    from xfer.transports.ucx_conn import Conn
-    from xfer.transports.ucx_wire import CLOCK_DRIFT
+    from xfer.transports.ucx.conn import Conn
+    from xfer.transports.ucx.wire import CLOCK_DRIFT
 
     conn = Conn(None, 1, outgoing=False)
     offset = 5000.0  # the peer's clock is 5000 s behind: no common origin needed
@@ -342,7 +342,7 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused():
     """Control headers are binary for the fields a kind always carries, JSON for the rest (a
     REQ's layout, the auth stamp); every value comes back with its type (the MAC is computed
     over them); a short, truncated or unknown message is a PeerDisconnectedError, never a crash."""
-    from xfer.transports import ucx_wire as wire
+    from xfer.transports.ucx import wire as wire
 
     req = {"k": 7, "op": "write", "region": "kv é", "n": 3, "bpc": 2, "lpc": 4, "xid": 9, "ttl": 1.25,
            "sent": 123.5, "tid": "1-ab", "from": "src", "order": "NHC", "lid": 1, "layout": {"x": [1]},
@@ -414,7 +414,7 @@ def test_check_route_and_probe(local, monkeypatch):
 
 
 def test_chunk_plan_bounds_the_staging_footprint():
-    from xfer.transports.ucx_stage import chunk_list, plan_chunks
+    from xfer.transports.ucx.staging import chunk_list, plan_chunks
 
     _, layout = make_kv_cache(KIND, device="meta", **SEED)
     for n, chunk in ((128, 64 << 10), (1, 4096), (256, 1 << 20)):
@@ -432,7 +432,7 @@ def test_chunk_layouts_are_memoized_and_kernel_copies_round_trip():
     import torch
 
     from xfer import KVLayout
-    from xfer.transports.ucx_stage import BlockCopier, staging_layout, sub_layout
+    from xfer.transports.ucx.staging import BlockCopier, staging_layout, sub_layout
 
     src_t, layout = make_kv_cache(LayoutKind.PACKED_KV, **SMALL)
     fill_random(src_t, seed=3)
@@ -472,7 +472,7 @@ def test_iov_addresses_are_the_gather_in_order(kind):
 
     import torch
 
-    from xfer.transports.ucx_stage import BlockCopier
+    from xfer.transports.ucx.staging import BlockCopier
 
     tensors, layout = make_kv_cache(kind, **SMALL)
     fill_random(tensors, seed=9)
@@ -492,7 +492,7 @@ def test_iov_addresses_are_the_gather_in_order(kind):
 def test_iov_requests_complete_fail_and_free_once(monkeypatch):
     """An IOV send's request: done at once (NULL), failed at once (an error pointer), or polled
     until UCX completes it, then freed exactly once; its address list is dropped when done."""
-    from xfer.transports import ucx_iov
+    from xfer.transports.ucx import io_raw as ucx_iov
 
     class Lib:
         def __init__(self):
@@ -535,7 +535,7 @@ def test_a_real_iov_send_that_ucx_fails_reports_the_error():
     failed (UCX's status is one signed byte; read as an int, the failure looked like success)."""
     import ucxx._lib.libucxx as u
 
-    from xfer.transports import ucx_iov
+    from xfer.transports.ucx import io_raw as ucx_iov
 
     sender, why = ucx_iov.iov_sender()
     if sender is None:
@@ -568,7 +568,7 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
     side sends) and a read (the peer sends) of the seed workload land byte-exact, untouched blocks
     still poisoned, and the transfer's path says which way it went."""
     both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K", "XFER_UCX_IOV": "1" if iov == "on" else "0"}
-    from xfer.transports import ucx_iov
+    from xfer.transports.ucx import io_raw as ucx_iov
 
     monkeypatch.setattr(ucx_iov, "_sender", None)  # decided afresh under this test's XFER_UCX_IOV
     monkeypatch.setattr(ucx_iov, "_why_not", None)
@@ -603,9 +603,10 @@ def test_a_failed_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, 
     may still write the blocks: until UCX ends that receive, or, if its end is never heard of,
     after the connection was closed to stop it (``HOLD_S``). The agent then reconnects."""
     both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K"}
-    from xfer.transports import ucx_engine, ucx_iov
-    from xfer.transports.ucx_engine import HOLD_S
-    from xfer.transports.ucx_flow import Flow
+    from xfer.transports.ucx import io_raw as ucx_iov
+    from xfer.transports.ucx import loop as ucx_engine
+    from xfer.transports.ucx.loop import HOLD_S
+    from xfer.transports.ucx.flow import Flow
 
     monkeypatch.setattr(ucx_iov, "_sender", None)
     monkeypatch.setattr(ucx_iov, "_why_not", None)
@@ -644,8 +645,8 @@ def test_request_layouts_are_described_once_per_connection(env):
     by id: two local regions of different layouts (NHD, HND) writing alternately to one peer region
     land byte-exact; a REQ naming an id no earlier REQ described is refused (typed), as is a bad id."""
     from xfer.errors import InvalidArgumentError
-    from xfer.transports.ucx_conn import Conn
-    from xfer.transports.ucx_proto import Protocol
+    from xfer.transports.ucx.conn import Conn
+    from xfer.transports.ucx.protocol import Protocol
 
     conn, proto = Conn(None, 1, outgoing=False), Protocol.__new__(Protocol)
     nhd = make_kv_cache(KIND, device="meta", **SMALL)[1]
@@ -835,9 +836,9 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     handle in between: the chunk ends with PeerDisconnectedError and nothing is sent."""
     from types import SimpleNamespace
 
-    from xfer.transports.ucx_conn import Conn
-    from xfer.transports.ucx_engine import Engine
-    from xfer.transports.ucx_proto import Protocol
+    from xfer.transports.ucx.conn import Conn
+    from xfer.transports.ucx.loop import Engine
+    from xfer.transports.ucx.protocol import Protocol
 
     deferred = []
     engine = SimpleNamespace(call_soon=lambda fn, *a: deferred.append((fn, a)), conn_failed=None,
@@ -862,8 +863,8 @@ def test_sends_go_raw_only_on_a_live_endpoint():
 
     import torch
 
-    from xfer.transports.ucx_conn import Conn
-    from xfer.transports.ucx_engine import Engine
+    from xfer.transports.ucx.conn import Conn
+    from xfer.transports.ucx.loop import Engine
 
     raw, via_ucxx, tracked = [], [], []
     engine = SimpleNamespace(
@@ -890,9 +891,9 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     in place is cut into PIPELINE_MIN_CHUNKS_IN_PLACE chunks, a staged one into PIPELINE_MIN_CHUNKS."""
     from types import SimpleNamespace
 
-    from xfer.transports import ucx_proto
-    from xfer.transports.ucx_flow import in_place
-    from xfer.transports.ucx_stage import plan_chunks
+    from xfer.transports.ucx import protocol as ucx_proto
+    from xfer.transports.ucx.flow import in_place
+    from xfer.transports.ucx.staging import plan_chunks
 
     dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
     layout = make_kv_cache(KIND, **dims)[1]
@@ -930,8 +931,8 @@ def test_the_peers_side_in_place_is_judged_from_its_metadata_and_cuts_fewer_chun
     record; an agent publishes its own."""
     from types import SimpleNamespace
 
-    from xfer.transports import ucx_proto
-    from xfer.transports.ucx_flow import peer_in_place
+    from xfer.transports.ucx import protocol as ucx_proto
+    from xfer.transports.ucx.flow import peer_in_place
 
     dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
     layout = make_kv_cache(KIND, **dims)[1]
@@ -961,7 +962,7 @@ def test_a_gathered_write_into_an_in_place_receive_is_cut_into_fewer_chunks(env,
     to a peer with in-place receives off (``XFER_UCX_IOV_RECV=0``: it publishes None), with
     PIPELINE_MIN_CHUNKS. Either way every byte lands and nothing else is touched."""
     from xfer.metadata import decode
-    from xfer.transports import ucx_proto
+    from xfer.transports.ucx import protocol as ucx_proto
 
     plans = []
     real = ucx_proto.plan_chunks
@@ -993,7 +994,7 @@ def test_the_engine_wake_adds_one_to_its_eventfd_and_ignores_a_closed_one():
     engine's teardown) raises nothing."""
     import os
 
-    from xfer.transports.ucx_engine import _wake
+    from xfer.transports.ucx.loop import _wake
 
     fd = os.eventfd(0, os.EFD_NONBLOCK)
     try:
@@ -1014,10 +1015,10 @@ def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below
     from types import SimpleNamespace
 
     from xfer.errors import InvalidArgumentError
-    from xfer.transports import ucx_proto
-    from xfer.transports.ucx_proto import Protocol
-    from xfer.transports.ucx_stage import plan_chunks
-    from xfer.transports.ucx_wire import UcxSettings
+    from xfer.transports.ucx import protocol as ucx_proto
+    from xfer.transports.ucx.protocol import Protocol
+    from xfer.transports.ucx.staging import plan_chunks
+    from xfer.transports.ucx.wire import UcxSettings
 
     st = UcxSettings(chunk_bytes=1 << 20, device_chunk_bytes=64 << 20, slots=8, device_slots=4)
     assert (st.slot_bytes("host"), st.slot_bytes("pinned"), st.slot_bytes("cuda:1")) == (1 << 20, 1 << 20, 64 << 20)
@@ -1043,7 +1044,7 @@ def test_device_copies_are_polled_until_their_event_completes():
     as the error; device UCX requests are counted in flight until they end (the loop polls then)."""
     from types import SimpleNamespace
 
-    from xfer.transports.ucx_engine import Engine
+    from xfer.transports.ucx.loop import Engine
 
     class Ev:
         def __init__(self, turns, error=None):

@@ -51,7 +51,7 @@ CHUNK_DELAY = "XFER_TEST_CHUNK_DELAY_S"  # a peer's env: sleep this long per sta
 def _slow_copies(delay: float) -> None:
     """Make this process's UCX staging copies take ``delay`` s a chunk more, so a test's transfer is
     surely still running when it injects a fault, however fast the machine (fault injection only)."""
-    from xfer.transports import ucx_stage
+    from xfer.transports.ucx import staging as ucx_stage
 
     cls = ucx_stage.BlockCopier
     # iov: a chunk sent from or received into the blocks; *_async: a CUDA region's launches

@@ -26,7 +26,7 @@ from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
 from .transfer import Notification, Op, Transfer, TransferState
 from .transports import PREFERENCE, TransportKind, load
-from .transports.notify import raise_remote
+from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 
 __all__ = ["Agent"]

@@ -24,8 +24,8 @@ class TransportKind(str, enum.Enum):
 PREFERENCE = (TransportKind.LOCAL, TransportKind.IPC, TransportKind.NVSHMEM, TransportKind.UCX)
 
 _MODULES = {
-    TransportKind.LOCAL: ("xfer.transports.local", "LocalTransport"),
-    TransportKind.IPC: ("xfer.transports.ipc", "IpcTransport"),
+    TransportKind.LOCAL: ("xfer.transports.onesided.local", "LocalTransport"),
+    TransportKind.IPC: ("xfer.transports.onesided.ipc", "IpcTransport"),
     TransportKind.NVSHMEM: ("xfer.transports.nvshmem", "NvshmemTransport"),
     TransportKind.UCX: ("xfer.transports.ucx", "UcxTransport"),
 }

@@ -1,5 +1,5 @@
 """The UCX transport's control protocol, run on the engine thread: connecting and accepting,
-the hello, and the REQ / REFUSE / ACK / FIN / CANCEL messages (see ucx_wire)."""
+the hello, and the REQ / REFUSE / ACK / FIN / CANCEL messages (see wire)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import time
 
 import numpy as np
 
-from ..errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
+from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
                       TransferCancelledError, TransferTimeoutError, XferError)
-from ..layout import KVLayout
-from ..transfer import Notification, Op, TransferState
-from . import ucx_wire as wire
-from .ucx_conn import Conn
-from .ucx_engine import error_class
-from .ucx_flow import Flow, in_place, peer_in_place
-from .ucx_stage import BlockCopier, chunk_list, plan_chunks
+from ...layout import KVLayout
+from ...transfer import Notification, Op, TransferState
+from . import wire
+from .conn import Conn
+from .loop import error_class
+from .flow import Flow, in_place, peer_in_place
+from .staging import BlockCopier, chunk_list, plan_chunks
 
 __all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
 

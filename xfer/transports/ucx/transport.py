@@ -5,7 +5,7 @@ into a slot of a staging pool and tag-sends it; the receiver tag-receives into a
 pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip the gather: one UCX
 scatter-gather send straight from the blocks; host blocks of at least ``iov_recv_min_bytes``
 (any, by default) skip the scatter: one scatter-gather receive straight into them, where both
-sides use the same block order and ``iov_recv`` (ucx_iov.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
+sides use the same block order and ``iov_recv`` (io_raw.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
 every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per host
 memory kind (``device_slots`` of ``device_chunk_bytes`` on a GPU). A CUDA region's gathers and
 scatters are queued on its copy stream by the engine, which polls their events. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
@@ -17,7 +17,7 @@ that checks the peer's identity; each transfer starts with a request the target 
 (region, layout fingerprint, block ids) before any byte of its region is read or written (a
 WRITE's chunks follow the request at once and wait, outside any staging slot, until it is
 validated, or are discarded), and ends when the receiving side has landed every byte, delivered
-its notification and acknowledged. Staging slots cannot deadlock (argued in ucx_engine.py).
+its notification and acknowledged. Staging slots cannot deadlock (argued in loop.py).
 Deadlines bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
 receiving side never delivers a notification for a transfer it dropped. Known gap: when every
 byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap), the
@@ -27,10 +27,10 @@ be lost decides for the other): no protocol closes it; the blocks are whole (a c
 reported failed, never a partial one reported complete), and the soak counts such transfers
 apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold) that arrive
 faster than they are scattered wait in UCX's own unexpected-message buffers (bounded by the
-transfers in flight, not by the staging slots). Wire format: ucx_wire.py; progress model and the
-slot argument: ucx_engine.py.
+transfers in flight, not by the staging slots). Wire format: wire.py; progress model and the
+slot argument: loop.py.
 
-Settings: :class:`~xfer.transports.ucx_wire.UcxSettings` (``XFER_UCX_*`` environment variables);
+Settings: :class:`~xfer.transports.ucx.wire.UcxSettings` (``XFER_UCX_*`` environment variables);
 UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_RAILS``) apply.
 """
 
@@ -40,12 +40,12 @@ import os
 
 import socket
 
-from ..errors import PeerDisconnectedError, TransportError
-from ..metadata import RegionRecord
-from ..transfer import Op, TransferState
-from . import TransportKind
-from .base import Job, LocalRegion, PeerHandle, Transport
-from .ucx_wire import VERSION, UcxSettings
+from ...errors import PeerDisconnectedError, TransportError
+from ...metadata import RegionRecord
+from ...transfer import Op, TransferState
+from .. import TransportKind
+from ..base import Job, LocalRegion, PeerHandle, Transport
+from .wire import VERSION, UcxSettings
 
 __all__ = ["UcxTransport", "UcxSettings"]
 
@@ -68,7 +68,7 @@ class UcxTransport(Transport):
 
     def __init__(self, ctx, settings: UcxSettings | None = None) -> None:
         super().__init__(ctx)
-        from .ucx_engine import Engine
+        from .loop import Engine
 
         self.settings = settings or UcxSettings.from_env()
         self._engine = Engine(ctx, self.settings, _import_ucxx())
@@ -98,7 +98,7 @@ class UcxTransport(Transport):
                 "cuda": bool(e.context.cuda_support), "tls": e.context.config.get("TLS", ""),
                 "chunk_bytes": self.settings.chunk_bytes, "device_chunk_bytes": self.settings.device_chunk_bytes,
                 # the block sizes from which this side sends / receives host blocks in place (None:
-                # never): the initiator plans fewer chunks where either side does (ucx_proto)
+                # never): the initiator plans fewer chunks where either side does (protocol)
                 "iov_min_bytes": self.settings.iov_min_bytes if e.iov is not None else None,
                 "iov_recv_min_bytes": self.settings.iov_recv_min_bytes if e.iov_rx else None}
 

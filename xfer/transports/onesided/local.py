@@ -1,6 +1,6 @@
 """The ``local`` transport: peers in this process (any device), or in another process on this
 host whose region lives in shared host memory (``xfer.shared_empty``). One-sided: see
-:mod:`xfer.transports.onesided`."""
+:mod:`xfer.transports.onesided.transport`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import threading
 
 import torch
 
-from .. import shm
-from ..errors import NotRegisteredError, TransportError
-from ..metadata import RegionRecord
-from ..transfer import Op
-from . import TransportKind
-from .base import Job, LocalRegion, PeerHandle
-from .onesided import OneSidedTransport
+from ... import shm
+from ...errors import NotRegisteredError, TransportError
+from ...metadata import RegionRecord
+from ...transfer import Op
+from .. import TransportKind
+from ..base import Job, LocalRegion, PeerHandle
+from .transport import OneSidedTransport
 
 __all__ = ["LocalTransport"]
 

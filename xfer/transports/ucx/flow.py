@@ -3,7 +3,7 @@
 A flow either *sends* chunks (gather into a slot -> tag send; host blocks: one scatter-gather
 send from the blocks) or *receives* them (a chunk has arrived -> tag receive into a slot ->
 scatter; host blocks: one scatter-gather receive into the blocks), at most ``depth`` chunks
-holding a slot at once, slots taken from a shared pool in round-robin order among flows (see ucx_engine for why this
+holding a slot at once, slots taken from a shared pool in round-robin order among flows (see loop for why this
 cannot deadlock). Roles:
 
     initiator, WRITE   sends from the start (no wait for the target); done on the target's ACK
@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from ..errors import PeerDisconnectedError
-from ..layout import KVLayout
-from ..transfer import Op, Transfer
-from .ucx_stage import BlockCopier, Chunk, Slot, host_rows
+from ...errors import PeerDisconnectedError
+from ...layout import KVLayout
+from ...transfer import Op, Transfer
+from .staging import BlockCopier, Chunk, Slot, host_rows
 
 __all__ = ["Flow", "in_place", "peer_in_place"]
 
@@ -100,7 +100,7 @@ class Flow:
         self.started = time.monotonic()
         self.ready = None  # initiator, CUDA region: the caller's stream event the first copy waits for
         # sending from host rows: each chunk goes out as UCX scatter-gather from the blocks themselves
-        # (its slot is then only a token of the pool's flow control; see ucx_iov)
+        # (its slot is then only a token of the pool's flow control; see io_raw)
         self.iov = self.sending and in_place(engine, True, copier, pool, sender_layout)
         # receiving into host rows of the sender's block order: each chunk lands straight in the
         # blocks (UCX scatter-gather receive), no slot and no scatter; a failure is then held until

@@ -5,9 +5,9 @@ that is configured with the same :class:`~xfer.config.NvshmemGroup` shares the o
 :class:`Runtime` (``acquire`` / ``release``, reference-counted).
 
 Bootstrap: rank 0 makes the unique id and publishes it in the agents' metadata store; the other
-ranks read it (``nvshmem_bootstrap``); every rank calls ``nvshmem.core.init`` on a helper thread,
+ranks read it (``bootstrap``); every rank calls ``nvshmem.core.init`` on a helper thread,
 bounded by ``init_timeout_s``. Then, collectively and in the same order on every PE, the staging
-areas and signal words (``nvshmem_proto.StagingPlan``) are allocated and zeroed, and a barrier
+areas and signal words (``proto.StagingPlan``) are allocated and zeroed, and a barrier
 ensures no PE signals a peer that has not zeroed its words yet.
 
 Interface the lanes use (a CPU stand-in in the tests implements the same): ``pe``, ``size``,
@@ -33,12 +33,12 @@ import time
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, StoreError, TransportError, TransportUnavailableError, XferError
-from ..store import open_store
-from . import nvshmem_bootstrap as bootstrap
-from .nvshmem_lanes import Lanes
-from .nvshmem_mpg import MpgOps, is_limited_mpg, unmapped
-from .nvshmem_proto import StagingPlan
+from ...errors import InvalidArgumentError, StoreError, TransportError, TransportUnavailableError, XferError
+from ...store import open_store
+from . import bootstrap
+from .lanes import Lanes
+from .mpg import MpgOps, is_limited_mpg, unmapped
+from .proto import StagingPlan
 
 __all__ = ["Runtime", "acquire", "release", "CLOSE_TIMEOUT_S"]
 

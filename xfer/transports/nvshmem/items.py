@@ -5,19 +5,19 @@
     ReadReceive  this PE's READ           recv lane (src, read)    read -> chunks -> landed -> notify
     ServeRead    a peer's READ of us      send lane (dst, read)    chunks -> last credit
 
-Lanes, flow control and draining: :mod:`~xfer.transports.nvshmem_lanes`.
+Lanes, flow control and draining: :mod:`~xfer.transports.nvshmem.lanes`.
 """
 
 from __future__ import annotations
 
 import time
 
-from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
-from ..kernels import staging_layout
-from ..transfer import Notification, Op, TransferState
-from . import nvshmem_proto as proto
-from .notify import notify_peer, raise_remote
-from .nvshmem_lanes import ABORT_NOTICE_S, GRACE_S, FINISH_WAIT_S, _Item, _Stop, log
+from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...kernels import staging_layout
+from ...transfer import Notification, Op, TransferState
+from . import proto
+from ..completion import notify_peer, raise_remote
+from .lanes import ABORT_NOTICE_S, GRACE_S, FINISH_WAIT_S, _Item, _Stop, log
 
 __all__ = ["WriteSend", "ServeRead", "Receive", "ReadReceive"]
 

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ..errors import TransportError, TransportUnavailableError
+from ...errors import TransportError, TransportUnavailableError
 
 __all__ = ["MpgOps", "is_limited_mpg", "unmapped"]
 

@@ -1,9 +1,9 @@
 """NVSHMEM data path: lanes, chunk pipelines on CUDA streams, and how a failure drains them.
 
-The transfers a lane runs (one class per role and side) are in :mod:`~xfer.transports.nvshmem_items`.
+The transfers a lane runs (one class per role and side) are in :mod:`~xfer.transports.nvshmem.items`.
 
 A lane carries one direction and one role between this PE and one peer PE (roles: see
-:mod:`~xfer.transports.nvshmem_proto`). It owns a CUDA stream, a thread that queues each
+:mod:`~xfer.transports.nvshmem.proto`). It owns a CUDA stream, a thread that queues each
 transfer's chunks on it, and a side stream used only to unblock it. For chunk number ``s``
 (position ``s % DEPTH`` of the lane's slot):
 
@@ -38,9 +38,9 @@ import queue
 import threading
 import time
 
-from ..errors import AgentClosedError, PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
-from ..shm import pid_alive
-from . import nvshmem_proto as proto
+from ...errors import AgentClosedError, PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...shm import pid_alive
+from . import proto
 
 __all__ = ["Lanes", "AHEAD", "DRAIN_TIMEOUT_S", "GRACE_S", "ABORT_NOTICE_S"]
 

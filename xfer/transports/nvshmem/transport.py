@@ -9,7 +9,7 @@ Two paths, chosen per transfer:
 - *staged* (any two PEs, across nodes too): the source gathers the blocks (all layers, K/V) chunk by
   chunk into its symmetric send area, ``putmem_signal_on_stream`` moves each chunk into the
   receiver's slot and sets a signal word; the receiver's stream waits on it, scatters and returns a
-  credit (:mod:`~xfer.transports.nvshmem_lanes`). A WRITE starts with ``nvshmem.begin`` (the receiver
+  credit (:mod:`~xfer.transports.nvshmem.lanes`). A WRITE starts with ``nvshmem.begin`` (the receiver
   validates region, layout fingerprint, block ids) and ends with ``nvshmem.finish`` once the sender
   saw the last credit: the receiver delivers the notification, acknowledges, and the transfer is
   DONE. A READ asks the holder with ``nvshmem.read``; the initiator scatters, then notifies the
@@ -17,11 +17,11 @@ Two paths, chosen per transfer:
 - *direct* (the peer region lives on the symmetric heap, allocated with :meth:`symmetric_empty` or
   registered with :meth:`register_symmetric`, and NVSHMEM maps the peer's memory here, i.e. inside
   a node): one ``copy_blocks`` launch reads or writes the peer's blocks through ``nvshmem_ptr``,
-  no staging; then the usual notify round trip (:mod:`~xfer.transports.onesided`).
+  no staging; then the usual notify round trip (:mod:`~xfer.transports.onesided.transport`).
 
 ``stats`` counts what each path carried. Deadlines, what a failed transfer may leave behind and
-teardown: see :mod:`~xfer.transports.nvshmem_lanes` and :mod:`~xfer.transports.nvshmem_runtime`; the
-transfers, per role and side: :mod:`~xfer.transports.nvshmem_items`; messages: ``nvshmem_proto``.
+teardown: see :mod:`~xfer.transports.nvshmem.lanes` and :mod:`~xfer.transports.nvshmem.runtime`; the
+transfers, per role and side: :mod:`~xfer.transports.nvshmem.items`; messages: :mod:`~xfer.transports.nvshmem.proto`.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ import threading
 
 import torch
 
-from ..errors import AgentClosedError, InvalidArgumentError, TransportError, TransportUnavailableError, XferError
-from ..metadata import RegionRecord
-from ..transfer import Op, TransferState
-from . import TransportKind, nvshmem_runtime
-from . import nvshmem_lanes as lanes
-from . import nvshmem_proto as proto
-from .base import Job, LocalRegion, PeerHandle, Transport
-from .nvshmem_items import ReadReceive, Receive, ServeRead, WriteSend
-from .notify import notify_peer
-from .onesided import OneSidedTransport
+from ...errors import AgentClosedError, InvalidArgumentError, TransportError, TransportUnavailableError, XferError
+from ...metadata import RegionRecord
+from ...transfer import Op, TransferState
+from .. import TransportKind
+from . import runtime as nvshmem_runtime
+from . import lanes
+from . import proto
+from ..base import Job, LocalRegion, PeerHandle, Transport
+from .items import ReadReceive, Receive, ServeRead, WriteSend
+from ..completion import notify_peer
+from ..onesided import OneSidedTransport
 
 __all__ = ["NvshmemTransport", "check_group"]
 

@@ -14,7 +14,7 @@ arrival order: control messages are received at once (into a buffer of their siz
 is handed to its flow (by connection and xid) and waits there until a staging slot is free for it;
 a chunk of no live flow is received into a throw-away buffer (a dropped transfer's late chunks);
 a chunk whose REQ has not been processed yet (the initiator sends right behind its REQ) is held
-on its connection until the REQ is. With the raw binding (ucx_iov) the probe and the receives are
+on its connection until the REQ is. With the raw binding (io_raw) the probe and the receives are
 raw UCX calls, and a host flow's chunk is received straight into its blocks; its slot is then
 only a token of the pool's flow control, and the argument below holds unchanged (a receive that
 took a slot needs nothing else to end). A failed flow with such a receive in flight is held (see
@@ -58,12 +58,12 @@ import time
 
 import numpy as np
 
-from .. import errors
-from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
-from ..transfer import TransferState
-from . import ucx_wire as wire
-from .ucx_conn import Conn
-from .ucx_stage import Copier, StagingPool
+from ... import errors
+from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...transfer import TransferState
+from . import wire
+from .conn import Conn
+from .staging import Copier, StagingPool
 
 __all__ = ["Engine", "RawProbe", "error_class"]
 
@@ -193,7 +193,7 @@ class Engine:
         self._closing = False
         self._sleeping = False
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
-        from .ucx_iov import iov_sender
+        from .io_raw import iov_sender
         # raw tag calls on ucxx's libucp (None: ucxx's API, every chunk staged): scatter-gather
         # sends from host blocks, and probes and receives, so that a chunk can land in place
         self.iov, self.iov_off = iov_sender()
@@ -201,7 +201,7 @@ class Engine:
         self._worker_handle = self.worker.handle
         self._info = (ctypes.c_uint64 * 2)()  # a raw probe's (sender tag, length)
         self._held: dict = {}  # failed flows whose in-place receives UCX has not ended -> when to force
-        from .ucx_proto import Protocol  # the control messages
+        from .protocol import Protocol  # the control messages
         self.proto = Protocol(self)
         self._thread = threading.Thread(target=self._run, name=f"xfer-ucx-{ctx.agent_name}", daemon=True)
         self._thread.start()
@@ -509,7 +509,7 @@ class Engine:
         is reported (to the peer by CANCEL, and to its caller unless the caller's own cancel or
         deadline already ended the transfer) only once UCX ended them: until then UCX may write
         its blocks. Past HOLD_S (or its deadline) the connection is closed, which makes UCX end
-        them (on a later progress: see ucx_iov)."""
+        them (on a later progress: see io_raw)."""
         if flow.dead:
             return
         if not isinstance(err, XferError):

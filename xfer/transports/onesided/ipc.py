@@ -5,7 +5,7 @@ allocation base plus the offset in it, or the shareable handles of expandable se
 mapping, on a dedicated stream: one Triton launch, or the copy engines (``cudaMemcpyBatchAsync``
 / ``cudaMemcpy2DAsync``) as ``AgentConfig.copy_path`` / ``XFER_COPY_PATH`` / the auto table say;
 ``Transfer.path`` names the one used and why. No staging. One-sided: see
-:mod:`xfer.transports.onesided`.
+:mod:`xfer.transports.onesided.transport`.
 
 The handle kind is reported per region (``handle``: ``legacy`` or ``expandable``); when two GPUs
 cannot reach each other, ``check_route`` names both devices and the selection policy moves on.
@@ -18,12 +18,12 @@ import os
 
 import torch
 
-from ..errors import TransportError
-from ..metadata import RegionRecord
-from ..transfer import Op
-from . import TransportKind
-from .base import Job, LocalRegion, PeerHandle
-from .onesided import OneSidedTransport
+from ...errors import TransportError
+from ...metadata import RegionRecord
+from ...transfer import Op
+from .. import TransportKind
+from ..base import Job, LocalRegion, PeerHandle
+from .transport import OneSidedTransport
 
 __all__ = ["IpcTransport", "encode_share", "decode_share"]
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import env_on
-from ..errors import InvalidArgumentError, PeerDisconnectedError
+from ...config import env_on
+from ...errors import InvalidArgumentError, PeerDisconnectedError
 
 __all__ = ["UcxSettings", "Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data_tag",
            "CTRL_MASK", "HELLO_BYTES", "VERSION"]
@@ -50,7 +50,7 @@ _MSG = struct.Struct("!BII")
 CTRL_MASK = 0xFFFFFFFF  # probe mask: the low 32 bits (0 = control) of any connection
 
 # UCX defaults that cost us two thirds of the wire over TCP (measured, see the design notes in
-# ucx.py): 8 KiB TCP segments turn a rendezvous into thousands of small bcopy fragments; and a
+# transport.py): 8 KiB TCP segments turn a rendezvous into thousands of small bcopy fragments; and a
 # scatter-gather rendezvous moves at most TCP_MAX_IOV entries (6 by default) per zero-copy
 # fragment, so a chunk of 4 KiB blocks went in 20 KiB fragments (CPU VM, loopback, 32 x 256 x
 # 4 KiB: 0.62-0.70 of a contiguous ucxx send with 6, 0.72-0.89 with 64; 32 KiB blocks 0.74-1.03
@@ -94,7 +94,7 @@ class UcxSettings:
     depth (XFER_UCX_DEPTH): chunks of one transfer in flight at once (gathered, on the wire or
         being scattered); <= 255.
     slots (XFER_UCX_SLOTS): staging slots per memory kind shared by all transfers (>= 2; sends
-        hold at most ``slots - slots // 2``, the rest is kept for receives: see ucx_engine); the
+        hold at most ``slots - slots // 2``, the rest is kept for receives: see loop); the
         staging footprint is ``slots * chunk_bytes`` per kind whatever the transfers' sizes.
     port (XFER_UCX_PORT): listener port (0: any free one).
     address (XFER_UCX_ADDRESS): the address published to peers (default: the agent's control

@@ -19,12 +19,12 @@ from abc import abstractmethod
 
 import torch
 
-from ..config import env_on
-from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
-from ..shm import pid_alive
-from ..transfer import Op, TransferState
-from .base import Job, Transport
-from .notify import notify_peer, notify_peer_batch
+from ...config import env_on
+from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...shm import pid_alive
+from ...transfer import Op, TransferState
+from ..base import Job, Transport
+from ..completion import notify_peer, notify_peer_batch
 
 __all__ = ["OneSidedTransport"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, LayoutError, LayoutMismatchError, NotRegisteredError
-from ..layout import KVLayout
+from ...errors import InvalidArgumentError, LayoutError, LayoutMismatchError, NotRegisteredError
+from ...layout import KVLayout
 
 __all__ = ["ROLE_WRITE", "ROLE_READ", "ROLE_NAMES", "DEPTH", "StagingPlan", "ChunkPlan", "plan_chunks",
            "Begin", "ReadRequest", "parse_begin", "parse_read", "parse_member", "parse_abort"]

@@ -18,7 +18,7 @@ closing the endpoint does not stop it at once either. Measured over TCP: a 256 M
 had 0.5 MiB landed when ``close_blocking`` returned. Further progress landed another 0.5 MiB
 before the request ended UCS_ERR_CANCELED. So the engine holds a failed flow's report (its
 CANCEL to the peer, its transfer where not already ended) until such a receive has ended, and
-closes the connection if that takes longer than ``HOLD_S`` (ucx_engine).
+closes the connection if that takes longer than ``HOLD_S`` (loop).
 
 Requests are polled like ucxx's (``completed``, ``check_error``) on the engine thread, which
 owns the worker; a request's address list (or buffer) stays referenced until UCX completes it,
@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from ..config import env_on
+from ...config import env_on
 
 __all__ = ["IovSender", "iov_sender"]
 

@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 
-from ..errors import StoreError, StoreTimeoutError, TransportUnavailableError
+from ...errors import StoreError, StoreTimeoutError, TransportUnavailableError
 
 __all__ = ["publish_session", "fetch_session", "publish_uid", "fetch_uid", "forget", "uid_key", "mark_joined",
            "exchange_gpus", "shared_gpus", "heap_choice", "agree_to_finalize"]

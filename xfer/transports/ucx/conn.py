@@ -7,8 +7,8 @@ import collections
 
 import numpy as np
 
-from ..errors import MetadataError, PeerDisconnectedError
-from . import ucx_wire as wire
+from ...errors import MetadataError, PeerDisconnectedError
+from . import wire
 
 __all__ = ["Conn"]
 

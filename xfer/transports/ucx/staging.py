@@ -25,10 +25,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
-from ..kernels import StagingCopies
-from ..kernels import staging_layout as kernel_staging_layout
-from ..layout import KVLayout
+from ...errors import InvalidArgumentError
+from ...kernels import StagingCopies
+from ...kernels import staging_layout as kernel_staging_layout
+from ...layout import KVLayout
 
 __all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout",
            "staging_layout", "host_rows"]
@@ -118,7 +118,7 @@ class Slot:
 
 class StagingPool:
     """``count`` slots of ``nbytes`` in one allocation (one UCX registration cache entry); sends
-    may hold at most ``send_cap`` of them at once (the rest is kept for receives: ucx_engine).
+    may hold at most ``send_cap`` of them at once (the rest is kept for receives: loop).
 
     ``kind``: "host" (page-aligned host memory), "pinned" (page-locked host, for CUDA regions
     staged through the host) or "cuda:N" (device memory, sent GPU-direct by UCX).
