@@ -37,7 +37,7 @@ def start_etcd(data_dir):
     if ETCD_BIN is None:
         pytest.skip("no etcd binary on PATH (Debian package etcd-server)")
     if not _ETCD3GW:
-        pytest.skip("etcd3gw is not installed (pip install xfer[etcd])")
+        pytest.skip("the etcd store needs etcd3gw: pip install -e '.[etcd]'")
     client, peer = free_port(), free_port()
     log_path = data_dir / "etcd.log"
     client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
@@ -269,7 +269,7 @@ def test_tcp_connect_to_nobody_raises_store_error():
 
 def test_etcd_unreachable_raises_store_error():
     if not _ETCD3GW:
-        pytest.skip("etcd3gw is not installed (pip install xfer[etcd])")
+        pytest.skip("the etcd store needs etcd3gw: pip install -e '.[etcd]'")
     port = free_port()
     t0 = time.monotonic()
     with pytest.raises(StoreError, match=f"cannot reach etcd at etcd://127.0.0.1:{port}"):
@@ -315,3 +315,67 @@ def test_agents_rendezvous_by_name_and_move_verified_blocks(store):
         assert_untouched(lb, tb, [3, 1])
         with pytest.raises(StoreTimeoutError):
             a.connect_by_name(store, "nobody", timeout=0.2)
+
+
+def _frozen_host(backend, tmp_path):
+    """A store server in another process: (pid, URL, stop). tcp: a Python process hosting a TCPStore."""
+    if backend == "etcd":
+        proc, url = start_etcd(tmp_path)
+        return proc.pid, url, lambda: stop(proc)
+    code = ("import time; from xfer.store import open_store\n"
+            "s = open_store('tcp://127.0.0.1:0'); print(s.port, flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    return proc.pid, f"tcp://127.0.0.1:{port}", lambda: stop(proc)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "etcd"])
+def test_frozen_server_every_call_returns_by_its_bound(backend, tmp_path):
+    """SIGSTOP the server: every call returns by its bound (torch's client alone blocks for good),
+    a pile-up of unanswered calls fails fast, and after SIGCONT the same store object works again."""
+    import os
+    import signal
+
+    pid, url, kill = _frozen_host(backend, tmp_path)
+    peer = open_store(url, timeout=1.0, prefix=f"frozen-{uuid.uuid4().hex}/")
+    try:
+        peer.set("k", b"v")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            calls = [("try_get", lambda: peer.try_get("k"), 1.0), ("get", lambda: peer.get("absent", 0.5), 1.5),
+                     ("set", lambda: peer.set("k2", b"x"), 1.0), ("add", lambda: peer.add("n", 1), 1.0)]
+            for name, call, bound in calls:
+                t0 = time.monotonic()
+                with pytest.raises(StoreError) as ei:
+                    call()
+                elapsed = time.monotonic() - t0
+                assert elapsed < bound + SLACK, (name, elapsed)
+                assert peer.endpoint in str(ei.value), name
+            if backend == "tcp":  # torch's client never gives up: four calls are still stuck
+                t0 = time.monotonic()
+                with pytest.raises(StoreTimeoutError, match="still unanswered"):
+                    peer.delete("k")
+                assert time.monotonic() - t0 < 0.2
+            t0 = time.monotonic()
+            with pytest.raises(StoreError):  # a new connection to the frozen server is bounded too
+                open_store(url, timeout=1.0)
+            assert time.monotonic() - t0 < 2.0 + SLACK
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        end = time.monotonic() + 10
+        while True:  # the stuck calls drain once the server runs again; then calls succeed
+            try:
+                assert peer.try_get("k") == b"v"
+                break
+            except StoreError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
+        peer.set("after", b"ok")
+        assert peer.get("after", 1) == b"ok"
+    finally:
+        kill()
+        end = time.monotonic() + 10
+        while peer._unanswered and time.monotonic() < end:  # let abandoned calls see the server go
+            time.sleep(0.05)
+        peer.close()

@@ -3,6 +3,13 @@
 ``TCPStoreBackend`` (torch's TCPStore, the embedded default: one agent hosts it) and ``EtcdStore``
 (an external etcd v3 server, through ``etcd3gw``), picked by ``open_store(url)``. Backend failures
 reach the caller as ``StoreError`` naming key and endpoint; a wait that runs out, ``StoreTimeoutError``.
+
+Every call returns by its bound whatever the server does: ``timeout`` (the store's, in seconds)
+for connecting and for each request, plus the wait of ``get``. torch's TCPStore client stays
+blocked past its own timeout against a frozen server (SIGSTOP, a wedged host), so each request
+runs on a short-lived thread that the caller abandons at the bound (``StoreTimeoutError``); the
+connection it was using is replaced for later calls, and while ``MAX_UNANSWERED`` abandoned
+requests are still stuck, further calls fail at once instead of piling up threads.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import errno
 import logging
 import math
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -60,18 +68,23 @@ def _parse_counter(key: str, value: bytes, endpoint: str) -> int:
 class MetadataStore(ABC):
     """Bytes under string keys, shared by the agents of one deployment.
 
-    Public methods validate, put the key under ``prefix`` and turn any backend failure into
-    ``StoreError``; a backend implements the underscored primitives on full (prefixed) keys.
+    Public methods validate, put the key under ``prefix``, bound the call (see the module doc)
+    and turn any backend failure into ``StoreError``; a backend implements the underscored
+    primitives on full (prefixed) keys, and ``_reset`` to drop a connection a stuck call holds.
     """
 
-    __slots__ = ("endpoint", "prefix", "_closed")
+    __slots__ = ("endpoint", "prefix", "timeout", "_closed", "_guard", "_unanswered")
+    MAX_UNANSWERED = 4  # abandoned requests still blocked on the server; more fail fast
 
-    def __init__(self, endpoint: str, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, endpoint: str, prefix: str = DEFAULT_PREFIX, timeout: float = 30.0) -> None:
         if not isinstance(prefix, str):
             raise InvalidArgumentError(f"store prefix must be a str, got {prefix!r}")
         self.endpoint = endpoint  # a URL a peer can pass to open_store, e.g. "tcp://10.0.0.1:29500"
         self.prefix = prefix
+        self.timeout = _check_seconds("timeout", timeout, positive=True)  # connect and each request, s
         self._closed = False
+        self._guard = threading.Lock()
+        self._unanswered = 0
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` (bytes-like, up to a few hundred KB) under ``key``, replacing any old value."""
@@ -80,16 +93,18 @@ class MetadataStore(ABC):
         self._call("set", key, self._set, bytes(value))
 
     def get(self, key: str, timeout: float) -> bytes:
-        """The value of ``key``, waiting up to ``timeout`` seconds for it to be set."""
+        """The value of ``key``, waiting up to ``timeout`` seconds for it to be set.
+
+        Returns or raises within ``timeout`` plus the store's request timeout, whatever the server does."""
         timeout = _check_seconds("timeout", timeout)
-        value = self._call("get", key, self._wait_get, timeout)
+        value = self._call("get", key, self._wait_get, timeout, wait_s=timeout)
         if value is None:
             raise StoreTimeoutError(f"key {self.prefix + key!r} did not appear in store {self.endpoint} "
                                     f"within {timeout:g} s")
         return value
 
     def try_get(self, key: str) -> bytes | None:
-        """The value of ``key``, or ``None`` if it is not set; never waits."""
+        """The value of ``key``, or ``None`` if it is not set; never waits on the key."""
         return self._call("try_get", key, self._try_get)
 
     def delete(self, key: str) -> bool:
@@ -122,18 +137,56 @@ class MetadataStore(ABC):
         state = "closed" if self._closed else "open"
         return f"{type(self).__name__}(endpoint={self.endpoint!r}, prefix={self.prefix!r}, {state})"
 
-    def _call(self, op: str, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, op: str, key: str, fn: Callable[..., Any], *args: Any, wait_s: float = 0.0) -> Any:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"store key must be a non-empty str, got {key!r}")
         full = self.prefix + key
         if self._closed:
             raise StoreError(f"{op}({full!r}) on closed store {self.endpoint}")
         try:
-            return fn(full, *args)
+            return self._bounded(f"{op}({full!r})", lambda: fn(full, *args), self.timeout + wait_s)
         except XferError:
             raise
         except Exception as e:  # any backend failure; the raw exception stays as __cause__
             raise StoreError(f"{op}({full!r}) on store {self.endpoint} failed: {_describe(e)}") from e
+
+    def _bounded(self, what: str, fn: Callable[[], Any], limit_s: float) -> Any:
+        """``fn()`` on its own thread; its result, or StoreTimeoutError once ``limit_s`` passed.
+
+        A call still running at the bound is abandoned (it ends when the server answers or the
+        connection dies) and ``_reset`` gives later calls a connection of their own."""
+        with self._guard:
+            if self._unanswered >= self.MAX_UNANSWERED:
+                raise StoreTimeoutError(f"{what} on store {self.endpoint}: {self._unanswered} earlier requests are "
+                                        f"still unanswered (server frozen or unreachable); not sending more")
+        done, box = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+            done.set()
+            with self._guard:
+                if box.get("abandoned"):
+                    self._unanswered -= 1
+
+        threading.Thread(target=run, name=f"xfer-store {what[:40]}", daemon=True).start()
+        if not done.wait(limit_s):
+            with self._guard:
+                if not done.is_set():
+                    box["abandoned"] = True
+                    self._unanswered += 1
+            if box.get("abandoned"):
+                self._reset()
+                raise StoreTimeoutError(f"{what} on store {self.endpoint}: no answer within {limit_s:g} s "
+                                        f"(server frozen or unreachable)")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _reset(self) -> None:
+        """Drop the connection an abandoned call may still hold (later calls make a new one)."""
 
     # The backend's primitives, on full (prefixed) keys. _wait_get returns None when time runs out.
     @abstractmethod
@@ -154,10 +207,10 @@ class TCPStoreBackend(MetadataStore):
     """``torch.distributed.TCPStore``: one agent hosts the server (``is_host=True``), peers connect.
 
     The server lives as long as the host's store: closing the host cuts every peer off.
-    ``timeout`` bounds the connect (retried until then) and any single request.
+    ``timeout`` bounds the connect (retried until then) and any single request (see the module doc).
     """
 
-    __slots__ = ("host", "port", "is_host", "_store")
+    __slots__ = ("host", "port", "is_host", "_server", "_store")
     # try_get reads with compare_set(key, _MISSING, _MISSING): one round trip that returns the value,
     # or _MISSING (writing nothing) when the key is absent. check()+get() would race with delete and
     # then block for the whole store timeout. So this exact value cannot be stored.
@@ -165,11 +218,9 @@ class TCPStoreBackend(MetadataStore):
 
     def __init__(self, host: str, port: int, *, is_host: bool, timeout: float = 30.0,
                  prefix: str = DEFAULT_PREFIX) -> None:
-        from torch.distributed import TCPStore  # torch is heavy: imported when a store is made
-
         timeout = _check_seconds("timeout", timeout, positive=True)
-        self.host, self.is_host = host, is_host
-        kw: dict[str, Any] = dict(wait_for_workers=False, use_libuv=True)
+        self.host, self.is_host, self._server = host, is_host, None
+        listen_fd = None
         try:
             if is_host:
                 # Bind the listening socket ourselves: TCPStore alone listens on every interface,
@@ -177,27 +228,48 @@ class TCPStoreBackend(MetadataStore):
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 sock = socket.create_server((host, port), family=family, backlog=512)
                 port = sock.getsockname()[1]
-                kw["master_listen_fd"] = sock.detach()
-            self.port = port
-            endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-            super().__init__(endpoint, prefix)
-            self._store = TCPStore(host, port, None, is_host, timedelta(seconds=timeout), **kw)
+                listen_fd = sock.detach()
         except OSError as e:  # bind failed (EADDRINUSE: someone hosts it already)
             raise StoreError(f"cannot host a TCPStore on {host}:{port}: {_describe(e)}") from e
+        self.port = port
+        super().__init__(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}", prefix, timeout)
+        try:
+            # connecting waits for the server's answer: bounded like any request
+            self._store = self._bounded("connect", lambda: self._open(listen_fd), timeout + 1.0)
         except Exception as e:  # DistNetworkError: nobody answered within the timeout
             role = "host" if is_host else "connect to"
             raise StoreError(f"cannot {role} TCPStore at {host}:{port} within {timeout:g} s: {_describe(e)}") from e
+        if is_host:
+            self._server = self._store  # keeps the server alive while a replacement client is in use
+
+    def _open(self, listen_fd: int | None = None):
+        from torch.distributed import TCPStore  # torch is heavy: imported when a store is made
+
+        kw: dict[str, Any] = dict(wait_for_workers=False, use_libuv=True)
+        if listen_fd is not None:
+            kw["master_listen_fd"] = listen_fd
+        return TCPStore(self.host, self.port, None, listen_fd is not None, timedelta(seconds=self.timeout), **kw)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", {'host' if self.is_host else 'peer'})"
 
+    def _client(self):
+        """The connection for this call: a fresh one after ``_reset`` (made on the bounded thread)."""
+        store = self._store
+        if store is None:
+            store = self._store = self._open()
+        return store
+
+    def _reset(self) -> None:
+        self._store = None  # the stuck call keeps its own reference; the host's server stays in _server
+
     def _set(self, key: str, value: bytes) -> None:
         if value == self._MISSING:
             raise InvalidArgumentError(f"value for key {key!r} is the store's reserved absent-key sentinel")
-        self._store.set(key, value)
+        self._client().set(key, value)
 
     def _try_get(self, key: str) -> bytes | None:
-        value = self._store.compare_set(key, self._MISSING, self._MISSING)
+        value = self._client().compare_set(key, self._MISSING, self._MISSING)
         return None if value == self._MISSING else value
 
     def _wait_get(self, key: str, timeout: float) -> bytes | None:
@@ -211,7 +283,7 @@ class TCPStoreBackend(MetadataStore):
                 return None
             # A TCPStore client holds its one connection through a whole wait, which would stall
             # every other thread using this store: wait on a clone (its own connection).
-            waiter = waiter or self._store.clone()
+            waiter = waiter or self._client().clone()
             try:
                 waiter.wait([key], timedelta(seconds=remaining))
             except DistStoreError as e:
@@ -221,17 +293,17 @@ class TCPStoreBackend(MetadataStore):
         return value
 
     def _delete(self, key: str) -> bool:
-        return self._store.delete_key(key)
+        return self._client().delete_key(key)
 
     def _add(self, key: str, amount: int) -> int:
         # The server drops the connection of a client that adds to a non-integer value: check first.
         current = self._try_get(key)
         if current is not None:
             _parse_counter(key, current, self.endpoint)
-        return self._store.add(key, amount)
+        return self._client().add(key, amount)
 
     def _close(self) -> None:
-        self._store = None  # TCPStore has no close(); dropping it closes the socket (and the server)
+        self._store = self._server = None  # TCPStore has no close(); dropping it closes the socket (and the server)
 
 
 class EtcdStore(MetadataStore):
@@ -246,7 +318,7 @@ class EtcdStore(MetadataStore):
 
     def __init__(self, host: str, port: int, *, timeout: float = 30.0, prefix: str = DEFAULT_PREFIX) -> None:
         timeout = _check_seconds("timeout", timeout, positive=True)
-        super().__init__(f"etcd://[{host}]:{port}" if ":" in host else f"etcd://{host}:{port}", prefix)
+        super().__init__(f"etcd://[{host}]:{port}" if ":" in host else f"etcd://{host}:{port}", prefix, timeout)
         try:
             import etcd3gw
             import requests  # etcd3gw's HTTP client
