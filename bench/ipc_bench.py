@@ -55,6 +55,7 @@ def ipc_copy_cases(slice_bytes: int, args) -> list[dict]:
     from xfer.bench.copy_calibrate import compare_paths, contiguous_s, poison, seed_dims
     from xfer.bench.measure import fill_pattern, timed
     from xfer.bench.target import Target, block_digests
+    from xfer import settings
     from xfer.kernels import copy_engine as ce
 
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD
@@ -91,6 +92,7 @@ def ipc_copy_cases(slice_bytes: int, args) -> list[dict]:
                     row["skipped"] = reason
                     continue
                 os.environ["XFER_COPY_PATH"] = path
+                settings.reload()  # the kernels' default path (the agent's config names none) is read again
                 poison(mapped)
                 torch.cuda.synchronize()
                 t = agent.write(peer, src, dst)
@@ -114,6 +116,7 @@ def ipc_copy_cases(slice_bytes: int, args) -> list[dict]:
             os.environ.pop("XFER_COPY_PATH", None)
         else:
             os.environ["XFER_COPY_PATH"] = saved
+        settings.reload()
         target.close()
     return cases
 

@@ -145,7 +145,7 @@ class UcxxPipe:
 
 
 def tuned_options() -> dict:
-    from xfer.transports.ucx.wire import UcxSettings
+    from xfer.settings import UcxSettings
 
     return UcxSettings.from_env().context_options()
 
@@ -491,7 +491,7 @@ def main() -> None:
     for flag, var, value in (("--chunk-bytes", "XFER_UCX_CHUNK_BYTES", args.chunk_bytes),
                              ("--device-chunk-bytes", "XFER_UCX_DEVICE_CHUNK_BYTES", args.device_chunk_bytes)):
         if value:
-            from xfer.transports.ucx.wire import UcxSettings
+            from xfer.settings import UcxSettings
 
             os.environ[var] = value  # the server inherits it
             try:
@@ -551,7 +551,7 @@ def describe_device(device: str) -> dict:
 def report(results: list[dict], link: str, path: str | None, device: str = "cpu", cpus=None) -> None:
     import ucxx
 
-    from xfer.transports.ucx.wire import UcxSettings
+    from xfer.settings import UcxSettings
 
     cuda = device.startswith("cuda")
     print(f"\nxfer UCX transport, {link}, {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -54,7 +54,7 @@ def perftest_binary() -> tuple[Path, Path]:
 
 
 def perftest_env(lib: Path) -> dict:
-    from xfer.transports.ucx.wire import TUNED_UCX
+    from xfer.settings import TUNED_UCX
 
     env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_WARN_UNUSED_ENV_VARS="n")

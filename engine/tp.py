@@ -22,7 +22,6 @@ and there any other summation order (sharded or not) may pick the other, tied, t
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 
@@ -126,7 +125,9 @@ def init_group(store, name: str, rank: int, world: int, *, device: torch.device,
     else:
         h, p = store.get(key, timeout_s).decode().rsplit(":", 1)
         c10d = dist.TCPStore(h, int(p), world, is_master=False, timeout=timedelta(seconds=timeout_s))
-    backend = os.environ.get("XFER_TP_BACKEND", "gloo")
+    from xfer.settings import Settings
+
+    backend = Settings.from_env().engine.tp_backend  # XFER_TP_BACKEND
     dist.init_process_group(backend, store=dist.PrefixStore(name, c10d), rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     return backend

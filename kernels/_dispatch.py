@@ -17,8 +17,8 @@ Tensor arguments everywhere below:
 Copies that touch CUDA memory go by the Triton kernel (SMs) or by the copy engines (DMA,
 :mod:`xfer.kernels.copy_engine`). The ``path`` keyword of every op picks: ``kernel``,
 ``batch`` (``cudaMemcpyBatchAsync``), ``2d`` (``cudaMemcpy2DAsync`` over uniform-stride runs,
-``cudaMemcpyAsync`` for the rest) or ``auto``; ``None`` reads ``XFER_COPY_PATH`` (default
-``auto``). ``auto`` looks the copy's direction (``d2d``, ``d2h``, ``h2d``) and slice size (the
+``cudaMemcpyAsync`` for the rest) or ``auto``; ``None`` takes the process default,
+``xfer.settings.current().copy.path`` (``XFER_COPY_PATH``, read once; default ``auto``). ``auto`` looks the copy's direction (``d2d``, ``d2h``, ``h2d``) and slice size (the
 bytes contiguous on both sides, before merging) up in :func:`copy_table`: the last row whose
 minimum size the slices reach names the path. The default table is conservative, pending an H200
 calibration (``python -m xfer.bench.copy_calibrate``): the kernel for device<->device at every
@@ -37,7 +37,6 @@ import contextlib
 import enum
 import functools
 import json
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -46,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from xfer import settings
 from xfer.errors import InvalidArgumentError, TransportUnavailableError
 from xfer.layout import KVLayout
 
@@ -83,7 +83,7 @@ DEFAULT_COPY_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
     "d2h": ((0, "kernel"),),
     "h2d": ((0, "kernel"),),
 }
-_TABLE: list = []  # [(table, source)] once resolved
+_TABLE: list = []  # [(table, source, settings generation or None for set_copy_table's)] once resolved
 _TABLE_LOCK = threading.Lock()
 
 
@@ -113,7 +113,7 @@ def set_copy_table(table: Mapping | None, source: str = "set_copy_table") -> Non
     """Use ``table`` (``{direction: [[min_slice_bytes, "kernel"|"batch"|"2d"], ...]}``, the
     calibration's ``table``) for ``auto``; directions it omits keep the default. ``None``: back
     to the default (or ``XFER_COPY_TABLE``)."""
-    checked = None if table is None else (_check_table(table, source), source)
+    checked = None if table is None else (_check_table(table, source), source, None)
     with _TABLE_LOCK:
         _TABLE[:] = [] if checked is None else [checked]
         _TABLE_GEN[0] += 1
@@ -121,10 +121,11 @@ def set_copy_table(table: Mapping | None, source: str = "set_copy_table") -> Non
 
 def copy_table() -> tuple[dict[str, tuple[tuple[int, str], ...]], str]:
     """The table ``auto`` uses, and where it came from."""
+    gen = settings.generation()
     with _TABLE_LOCK:
-        if _TABLE:
-            return _TABLE[0]
-    path = os.environ.get("XFER_COPY_TABLE", "").strip()
+        if _TABLE and _TABLE[0][2] in (None, gen):
+            return _TABLE[0][:2]
+    path = (settings.current().copy.table or "").strip()
     if path:
         try:
             with open(path) as f:
@@ -132,22 +133,21 @@ def copy_table() -> tuple[dict[str, tuple[tuple[int, str], ...]], str]:
         except (OSError, ValueError) as exc:
             raise InvalidArgumentError(f"XFER_COPY_TABLE={path!r} cannot be read as JSON: {exc}") from None
         entry = (_check_table(doc.get("table", doc) if isinstance(doc, dict) else doc, f"XFER_COPY_TABLE={path}"),
-                 f"XFER_COPY_TABLE={path}")
+                 f"XFER_COPY_TABLE={path}", gen)
     else:
-        entry = (dict(DEFAULT_COPY_TABLE), "default table")
+        entry = (dict(DEFAULT_COPY_TABLE), "default table", gen)
     with _TABLE_LOCK:
-        if not _TABLE:
-            _TABLE.append(entry)
-        return _TABLE[0]
+        if not _TABLE or _TABLE[0][2] not in (None, gen):
+            _TABLE[:] = [entry]
+        return _TABLE[0][:2]
 
 
 def _request(path) -> tuple[str, str]:
     """(normalized request, where it came from)."""
     source = "path argument"
     if path is None:
-        path, source = os.environ.get("XFER_COPY_PATH", "").strip() or "auto", "XFER_COPY_PATH"
-        if "XFER_COPY_PATH" not in os.environ:
-            source = "default"
+        path = (settings.current().copy.path or "").strip()
+        path, source = (path, "XFER_COPY_PATH") if path else ("auto", "default")
     if isinstance(path, CopyPath):
         if path not in _REQUEST_OF:
             raise InvalidArgumentError(f"copy path {path} is chosen from the tensors, not requested; request "
@@ -160,7 +160,7 @@ def _request(path) -> tuple[str, str]:
 
 
 def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return settings.current().copy.interpret
 
 
 def _pick(src: tuple[str, bool], dst: tuple[str, bool]) -> tuple[CopyPath, str]:
@@ -201,9 +201,7 @@ _TABLE_GEN = [0]  # bumped by set_copy_table
 
 def _choose(src: tuple[str, bool], dst: tuple[str, bool], size: int | None, path) -> tuple[CopyPath, str]:
     """Path for sides (device type, all pinned), slices of ``size`` bytes (None: unknown), a request."""
-    env = os.environ
-    key = (src, dst, size, path, env.get("XFER_COPY_PATH"), env.get("XFER_COPY_TABLE"), env.get("TRITON_INTERPRET"),
-           _TABLE_GEN[0])
+    key = (src, dst, size, path, settings.generation(), _TABLE_GEN[0])
     try:
         hit = _CHOSEN.get(key)
     except TypeError:  # an unhashable request: _request names it

@@ -21,6 +21,7 @@ from xfer.errors import BlockIdError, InvalidArgumentError, LayoutError, LayoutM
 from xfer.kernels import CopyPath, copy_blocks, gather, scatter, select_path, swap_in, swap_out
 from xfer.kernels.reference import byte_views, copy_blocks_ref, gather_ref
 from xfer.layout import LayoutKind, make_kv_cache
+from xfer.settings import reload
 
 POISON = 0xA5
 MLA_KINDS = (LayoutKind.MLA, LayoutKind.MLA_FP8)
@@ -74,11 +75,13 @@ def check_moved(src_layout, src, s_ids, dst_layout, dst, d_ids):
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reload()  # the kernels read their settings once (xfer.settings.current())
 
 
 @pytest.fixture
 def torch_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reload()
 
 
 # ---- the kernel through the interpreter --------------------------------------------------------
@@ -750,10 +753,12 @@ def test_path_requests_and_env_override(engines, monkeypatch):
                         (" Batch ", CopyPath.COPY_ENGINE_BATCH)]:
         assert _choose(CUDA, CUDA, 512, req)[0] is expect
     monkeypatch.setenv("XFER_COPY_PATH", "2d")
+    reload()
     path, why = _choose(CUDA, CUDA, 512, None)
     assert path is CopyPath.COPY_ENGINE_2D and "XFER_COPY_PATH" in why
     assert _choose(CUDA, CUDA, 512, "kernel")[0] is CopyPath.TRITON  # an argument beats the environment
     monkeypatch.setenv("XFER_COPY_PATH", "dma")
+    reload()
     with pytest.raises(InvalidArgumentError, match="XFER_COPY_PATH.*kernel, batch, 2d, auto"):
         _choose(CUDA, CUDA, 512, None)
     with pytest.raises(InvalidArgumentError, match="chosen from the tensors"):
@@ -764,6 +769,7 @@ def test_path_requests_and_env_override(engines, monkeypatch):
     # no CUDA side: the request does not apply, the CPU path runs
     monkeypatch.setenv("XFER_COPY_PATH", "batch")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reload()
     src, sl = cache(LayoutKind.PACKED_KV)
     dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_HND, fill="poison")
     assert select_path(src, dst, src_layout=sl, dst_layout=dl)[0] is CopyPath.TORCH_REFERENCE
@@ -791,6 +797,7 @@ def test_copy_table_set_file_and_errors(engines, monkeypatch, tmp_path):
     f = tmp_path / "table.json"
     f.write_text(json.dumps({"device": "H200", "table": {"h2d": [[0, "2d"]]}}))
     monkeypatch.setenv("XFER_COPY_TABLE", str(f))
+    reload()
     assert copy_table()[0]["h2d"] == ((0, "2d"),) and _choose(PINNED, CUDA, 512, None)[0] is CopyPath.COPY_ENGINE_2D
     set_copy_table(None)
     f.write_text("{")

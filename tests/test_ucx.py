@@ -17,6 +17,7 @@ pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e
 from helpers import assert_blocks_equal, assert_untouched, block_bytes, fill_random, poison  # noqa: E402
 from ucx_helpers import CHUNK_DELAY, UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache  # noqa: E402
+from xfer.settings import UcxSettings  # noqa: E402
 from xfer.errors import (BlockIdError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,  # noqa: E402
                          TransferCancelledError, TransferTimeoutError)
 
@@ -524,10 +525,8 @@ def test_iov_requests_complete_fail_and_free_once(monkeypatch):
         live.check_error()
     with pytest.raises(ValueError, match="uint64"):
         ucx_iov.IovSender.send(object(), 0, np.zeros((2, 2), dtype=np.int64), 1)
-    monkeypatch.setattr(ucx_iov, "_sender", None)
-    monkeypatch.setattr(ucx_iov, "_why_not", None)
-    monkeypatch.setenv("XFER_UCX_IOV", "0")
-    assert ucx_iov.iov_sender() == (None, "XFER_UCX_IOV=0")
+    from xfer.settings import Settings
+    assert Settings.from_env({"XFER_UCX_IOV": "0"}).ucx.iov is False  # the engine then takes ucxx's API only
 
 
 def test_a_real_iov_send_that_ucx_fails_reports_the_error():
@@ -888,10 +887,9 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     """A side moves its chunks in place only for host rows of blocks >= iov_min_bytes (a send) or
     iov_recv_min_bytes (a receive) with the raw binding (a receive also needs the sender's block
     order); a transfer whose initiator moves
-    in place is cut into PIPELINE_MIN_CHUNKS_IN_PLACE chunks, a staged one into PIPELINE_MIN_CHUNKS."""
+    in place is cut into min_chunks_in_place chunks, a staged one into min_chunks."""
     from types import SimpleNamespace
 
-    from xfer.transports.ucx import protocol as ucx_proto
     from xfer.transports.ucx.flow import in_place
     from xfer.transports.ucx.staging import plan_chunks
 
@@ -918,20 +916,19 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     assert not in_place(eng, True, SimpleNamespace(rows=False, layout=layout), host, layout)
     n, cap = 256, 1 << 40  # slots big enough for anything: the minimum chunk count decides
     per = layout.bytes_per_block
-    staged = plan_chunks(layout, n, cap, ucx_proto.PIPELINE_MIN_CHUNKS, 0)[0]
-    placed = plan_chunks(layout, n, cap, ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE, 0)[0]
-    assert -(-n // staged) == ucx_proto.PIPELINE_MIN_CHUNKS and -(-n // placed) == ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE
+    staged = plan_chunks(layout, n, cap, UcxSettings().min_chunks, 0)[0]
+    placed = plan_chunks(layout, n, cap, UcxSettings().min_chunks_in_place, 0)[0]
+    assert -(-n // staged) == UcxSettings().min_chunks and -(-n // placed) == UcxSettings().min_chunks_in_place
     assert placed * per > staged * per
 
 
 def test_the_peers_side_in_place_is_judged_from_its_metadata_and_cuts_fewer_chunks():
-    """The initiator plans PIPELINE_MIN_CHUNKS_IN_PLACE chunks also where only the PEER moves its
+    """The initiator plans min_chunks_in_place chunks also where only the PEER moves its
     side in place (a gathered send into a receive straight into the blocks: one copy stage left),
     judged from the thresholds the peer publishes in its UCX info (None: never) and its region's
     record; an agent publishes its own."""
     from types import SimpleNamespace
 
-    from xfer.transports.ucx import protocol as ucx_proto
     from xfer.transports.ucx.flow import peer_in_place
 
     dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
@@ -958,9 +955,9 @@ def test_the_peers_side_in_place_is_judged_from_its_metadata_and_cuts_fewer_chun
 
 def test_a_gathered_write_into_an_in_place_receive_is_cut_into_fewer_chunks(env, monkeypatch):
     """End to end, two agents over UCX: a write of blocks too small to send in place, to a peer that
-    publishes that it receives in place (the default), is planned with PIPELINE_MIN_CHUNKS_IN_PLACE;
+    publishes that it receives in place (the default), is planned with min_chunks_in_place;
     to a peer with in-place receives off (``XFER_UCX_IOV_RECV=0``: it publishes None), with
-    PIPELINE_MIN_CHUNKS. Either way every byte lands and nothing else is touched."""
+    min_chunks. Either way every byte lands and nothing else is touched."""
     from xfer.metadata import decode
     from xfer.transports.ucx import protocol as ucx_proto
 
@@ -972,7 +969,7 @@ def test_a_gathered_write_into_an_in_place_receive_is_cut_into_fewer_chunks(env,
     ids, dst_ids = list(range(0, 64, 2)), list(range(1, 64, 2))[::-1]
     with Agent("init", AgentConfig(transport="ucx", default_timeout_s=20)) as agent:
         agent.register("kv", src, layout)
-        for recv_in_place, want in (("1", ucx_proto.PIPELINE_MIN_CHUNKS_IN_PLACE), ("0", ucx_proto.PIPELINE_MIN_CHUNKS)):
+        for recv_in_place, want in (("1", UcxSettings().min_chunks_in_place), ("0", UcxSettings().min_chunks)):
             monkeypatch.setenv("XFER_UCX_IOV_RECV", recv_in_place)
             dst, dst_layout = make_kv_cache(KIND, **SEED)
             poison(dst)
@@ -1011,14 +1008,12 @@ def test_the_engine_wake_adds_one_to_its_eventfd_and_ignores_a_closed_one():
 def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below_it():
     """Device staging has its own slot size (published as ``device_chunk_bytes``) and count; the
     initiator plans with the slot of the pool the peer stages its region in, and a transfer
-    between two device regions is cut into as few chunks as fit (PIPELINE_MIN_CHUNKS_DEVICE)."""
+    between two device regions is cut into as few chunks as fit (min_chunks_device)."""
     from types import SimpleNamespace
 
     from xfer.errors import InvalidArgumentError
-    from xfer.transports.ucx import protocol as ucx_proto
     from xfer.transports.ucx.protocol import Protocol
     from xfer.transports.ucx.staging import plan_chunks
-    from xfer.transports.ucx.wire import UcxSettings
 
     st = UcxSettings(chunk_bytes=1 << 20, device_chunk_bytes=64 << 20, slots=8, device_slots=4)
     assert (st.slot_bytes("host"), st.slot_bytes("pinned"), st.slot_bytes("cuda:1")) == (1 << 20, 1 << 20, 64 << 20)
@@ -1034,7 +1029,7 @@ def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below
     assert Protocol._peer_slot(meta, SimpleNamespace(device="cuda:0")) == (1 << 20, False)
     layout = make_kv_cache(KIND, **SEED)[1]
     n = 128
-    whole = plan_chunks(layout, n, 1 << 40, ucx_proto.PIPELINE_MIN_CHUNKS_DEVICE, ucx_proto.MIN_CHUNK_BYTES)[0]
+    whole = plan_chunks(layout, n, 1 << 40, UcxSettings().min_chunks_device, UcxSettings().min_chunk_bytes)[0]
     assert whole == n  # one chunk: the whole transfer fits a slot
 
 

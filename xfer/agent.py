@@ -19,12 +19,13 @@ from . import metadata as md_codec
 from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
+from .error_codec import error_reply
 from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
                      NotRegisteredError, PeerNotConnectedError, XferError, TransferTimeoutError, TransportUnavailableError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
-from .transfer import Notification, Op, Transfer, TransferState
+from .transfer import Notification, Op, Transfer
 from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
@@ -73,7 +74,8 @@ class Agent:
         self._prune_at = 64
         self._notes: collections.deque[Notification] = collections.deque()
         self._notes_cond = threading.Condition()
-        secret = secret_from(self.config.secret)
+        config = self.config
+        secret = secret_from(config.secret if config.secret is not None else config.settings.secret)
         self._auth = Authenticator(secret) if secret is not None else None
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=host_id(), config=self.config,
                                log=log, auth=self._auth, region=self._regions.get, deliver=self._deliver)
@@ -419,9 +421,9 @@ class Agent:
                 try:
                     notes.append(self._notification(header.get("from"), entry, payload[off:off + n]))
                 except XferError as exc:
-                    failed[str(i)] = {"error": type(exc).__name__, "message": str(exc)}
+                    failed[str(i)] = error_reply(exc)
                 except (TypeError, ValueError) as exc:
-                    failed[str(i)] = {"error": "InvalidArgumentError", "message": f"malformed notice: {exc}"}
+                    failed[str(i)] = error_reply(InvalidArgumentError(f"malformed notice: {exc}"))
                 off += n
             for note in notes:
                 self._deliver(note)
@@ -434,7 +436,7 @@ class Agent:
         for tkind, transport in self.transports.items():
             if tkind.value == prefix:
                 return transport.handle_control(header, payload)
-        return {"ok": False, "error": "InvalidArgumentError", "message": f"unknown control message {kind!r}"}, b""
+        return error_reply(InvalidArgumentError(f"unknown control message {kind!r}")), b""
 
     def _notification(self, sender, entry: dict, payload: bytes) -> Notification:
         """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes."""
@@ -461,7 +463,7 @@ class Agent:
             self._closed = True
             inflight, self._inflight = self._inflight, set()
         for t in inflight:
-            t._finish(TransferState.CANCELLED, AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
+            t.fail(AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
         for transport in self.transports.values():
             transport.close()
         for client in self._clients.values():

@@ -25,9 +25,8 @@ __all__ = ["Authenticator", "secret_from"]
 
 
 def secret_from(value: bytes | str | None) -> bytes | None:
-    """The configured secret, else ``XFER_SECRET`` from the environment, else None (no auth)."""
-    if value is None:
-        value = os.environ.get("XFER_SECRET") or None
+    """The configured secret as bytes, or None (no auth). ``XFER_SECRET`` is read by
+    ``xfer.settings`` (``AgentConfig.settings.secret``), which the agent passes when the config names none."""
     if value is None:
         return None
     return value.encode() if isinstance(value, str) else bytes(value)

@@ -1,23 +1,22 @@
-"""Agent configuration: one frozen dataclass, validated on construction."""
+"""Agent configuration: one frozen dataclass, validated on construction, and the transport kinds."""
 
 from __future__ import annotations
 
+import enum
 import math
-import os
 from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
-from .transports import TransportKind
+from .settings import Settings
+
+__all__ = ["AgentConfig", "NvshmemGroup", "TransportKind"]
 
 
-def env_on(name: str, default: bool = True) -> bool:
-    """An on/off environment setting: 0, no, off or false turn it off; unset or empty keeps ``default``."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    return raw.strip().lower() not in ("0", "no", "off", "false")
-
-__all__ = ["AgentConfig", "NvshmemGroup"]
+class TransportKind(str, enum.Enum):
+    LOCAL = "local"  # same process (any device), or host shared memory between local processes
+    IPC = "ipc"  # CUDA IPC / UVA peer mappings between processes on one node
+    NVSHMEM = "nvshmem"  # NVSHMEM symmetric memory, put-with-signal
+    UCX = "ucx"  # UCX through ucxx, across nodes
 
 
 @dataclass(frozen=True)
@@ -74,16 +73,20 @@ class AgentConfig:
     max_notify_bytes: largest notification payload accepted.
     nvshmem: join this NVSHMEM group at construction (collective: blocks until all ranks join);
         None leaves the NVSHMEM transport off.
-    secret: the deployment's shared secret (>= 16 bytes; default: the XFER_SECRET environment
-        variable). With one, metadata and every control message are signed and checked
-        (HMAC-SHA256, replay-protected); peers without it are rejected. None and no variable: off.
+    secret: the deployment's shared secret (>= 16 bytes; default: ``settings.secret``, the
+        XFER_SECRET environment variable). With one, metadata and every control message are signed
+        and checked (HMAC-SHA256, replay-protected); peers without it are rejected. None and no
+        variable: off.
     enable: start only these transports (None: every one that can run here). Each started
         transport costs threads and, for ucx, a listener; a disabled one is reported as such.
     copy_path: how the one-sided transports (ipc, local) move blocks that touch CUDA memory:
         ``kernel`` (one Triton launch), ``batch`` (``cudaMemcpyBatchAsync``), ``2d``
         (``cudaMemcpy2DAsync``) or ``auto`` (by direction and slice size, see
-        ``xfer.kernels.copy_table``); None: the ``XFER_COPY_PATH`` environment variable, else
-        auto. The path a transfer took is on ``Transfer.copy_path`` (and in ipc's ``Transfer.path``).
+        ``xfer.kernels.copy_table``); None: ``settings.copy.path`` (the ``XFER_COPY_PATH``
+        environment variable), else auto. The path a transfer took is on ``Transfer.copy_path``
+        (and in ipc's ``Transfer.path``).
+    settings: every other knob (:class:`xfer.settings.Settings`: UCX staging and chunking, copy
+        paths, launches); None: read from the environment (``XFER_*``) when the config is made.
     """
 
     default_timeout_s: float = 30.0
@@ -97,8 +100,14 @@ class AgentConfig:
     enable: tuple[TransportKind, ...] | None = None
     secret: bytes | str | None = field(default=None, repr=False)
     copy_path: str | None = None
+    settings: Settings | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.settings is None:
+            object.__setattr__(self, "settings", Settings.from_env())
+        elif not isinstance(self.settings, Settings):
+            raise InvalidArgumentError(f"settings must be an xfer.settings.Settings or None, "
+                                       f"got {type(self.settings).__name__}")
         for name in ("default_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

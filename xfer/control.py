@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable
 
+from .error_codec import error_reply
 from .errors import AuthenticationError, MetadataError, PeerDisconnectedError, TransferTimeoutError, XferError
 
 __all__ = ["ControlServer", "ControlClient", "Handler"]
@@ -132,16 +133,16 @@ class ControlServer:
                 except AuthenticationError as exc:
                     peer = conn.getpeername() if conn.fileno() >= 0 else "?"
                     log.warning("control: rejected peer %s (%r): %s", peer, header.get("from"), exc)
-                    self._reply(conn, {"ok": False, "error": "AuthenticationError", "message": str(exc)}, b"")
+                    self._reply(conn, error_reply(exc), b"")
                     self._drop(conn)
                     return
             try:
                 reply, rpayload = self._handler(header, payload)
             except XferError as exc:
-                reply, rpayload = {"ok": False, "error": type(exc).__name__, "message": str(exc)}, b""
+                reply, rpayload = error_reply(exc), b""
             except Exception as exc:  # a handler bug must not kill the server thread
                 log.exception("control: handler failed on %s", header.get("type"))
-                reply, rpayload = {"ok": False, "error": "XferError", "message": repr(exc)}, b""
+                reply, rpayload = error_reply(exc), b""
             if self._auth is not None:
                 reply = self._auth.stamp(reply, rpayload)
             if not self._reply(conn, reply, rpayload):

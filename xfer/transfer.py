@@ -3,6 +3,13 @@
 A :class:`Transfer` always ends: DONE, or FAILED / CANCELLED / TIMED_OUT with a typed error.
 Its deadline is enforced by whoever looks at it (``poll`` and ``wait``) and by the transport
 between chunks, so a transfer nobody drives still reads TIMED_OUT once its deadline has passed.
+
+Transports drive a transfer through four calls only: ``begin`` (it runs), ``mark`` (a phase it
+reached), and exactly one of ``complete`` (every byte landed and the peer acknowledged) or
+``fail(exc)`` (its flow ended without that), made once none of its bytes can land any more,
+even when the transfer already reads terminal (the caller cancelled, the deadline passed): the
+transport's report that it has fenced the transfer. :func:`state_for` is the one place an
+exception is mapped to a state.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import TransferCancelledError, TransferTimeoutError, XferError
+from .errors import AgentClosedError, TransferCancelledError, TransferTimeoutError, TransportError, XferError
 
-__all__ = ["TransferState", "Transfer", "Notification", "Op"]
+__all__ = ["TransferState", "Transfer", "Notification", "Op", "state_for"]
 
 _ids = itertools.count(1)
 # ids read "<counter>-<this process's start>": unique across restarts of an agent, one call to make
@@ -37,6 +44,16 @@ class TransferState(enum.IntEnum):
     @property
     def terminal(self) -> bool:
         return self not in (TransferState.QUEUED, TransferState.RUNNING)
+
+
+def state_for(exc: BaseException) -> "TransferState":
+    """The terminal state a transfer that ended with ``exc`` reads: its deadline (TIMED_OUT), a
+    cancel or the agent closing (CANCELLED), anything else (FAILED)."""
+    if isinstance(exc, TransferTimeoutError):
+        return TransferState.TIMED_OUT
+    if isinstance(exc, (TransferCancelledError, AgentClosedError)):
+        return TransferState.CANCELLED
+    return TransferState.FAILED
 
 
 class Op(enum.Enum):
@@ -111,11 +128,9 @@ class Transfer:
             out["finished"] = self.finished - self.created
         return out
 
-    def _mark(self, phase: str) -> None:
-        self.marks.append((phase, time.monotonic()))
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until DONE; raise the transfer's typed error otherwise.
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Block until the transfer ended; return ``TransferState.DONE`` when it succeeded, raise its
+        typed error otherwise (:class:`TransferTimeoutError`, :class:`TransferCancelledError`, ...).
 
         ``timeout`` bounds this wait only; the transfer's own deadline always applies, and when
         it passes the transfer is cancelled and :class:`TransferTimeoutError` is raised.
@@ -132,7 +147,7 @@ class Transfer:
                 latch.release()  # the next waiter's turn (a latch once released stays open)
         state = self.poll()
         if state is TransferState.DONE:
-            return
+            return state
         if not state.terminal:  # the caller's timeout, shorter than the deadline
             raise TransferTimeoutError(f"transfer {self.id} still {state.name} after waiting {timeout:.3f} s "
                                        f"(its deadline is {self.deadline - time.monotonic():.3f} s away)")
@@ -154,16 +169,35 @@ class Transfer:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def _expire(self) -> None:
-        self._finish(TransferState.TIMED_OUT, TransferTimeoutError(
-            f"transfer {self.id} ({self.op.value} {self.num_blocks} blocks to {self.peer!r}) "
-            f"reached its deadline of {self.deadline - self.created:.3f} s and was cancelled"))
-
-    def _start(self, on_cancel=None, keepalive=None) -> None:
+    def begin(self, on_cancel=None, keepalive=None) -> None:
+        """The transport took the transfer: QUEUED -> RUNNING. ``on_cancel(transfer)`` is called once
+        if it ends otherwise than by ``complete`` (cancel, deadline, agent closed): the transport's
+        cue to stop its flow; ``keepalive`` is held until the end."""
         with self._lock:
             if self._state is TransferState.QUEUED:
                 self._state = TransferState.RUNNING
             self._on_cancel, self._keepalive = on_cancel, keepalive
+
+    def mark(self, phase: str) -> None:
+        """Record that the transfer reached ``phase`` now (see :meth:`timeline`)."""
+        self.marks.append((phase, time.monotonic()))
+
+    def complete(self) -> bool:
+        """Every byte landed and the peer acknowledged: DONE. False if it had already ended."""
+        return self._finish(TransferState.DONE)
+
+    def fail(self, exc: BaseException) -> bool:
+        """The transport's flow ended without completing, with ``exc``: the state :func:`state_for`
+        names (an exception that is not an XferError is reported as a TransportError). False if
+        the transfer had already ended (its first ending stands)."""
+        if not isinstance(exc, XferError):
+            exc = TransportError(f"transfer {self.id} failed: {exc!r}")
+        return self._finish(state_for(exc), exc)
+
+    def _expire(self) -> None:
+        self._finish(TransferState.TIMED_OUT, TransferTimeoutError(
+            f"transfer {self.id} ({self.op.value} {self.num_blocks} blocks to {self.peer!r}) "
+            f"reached its deadline of {self.deadline - self.created:.3f} s and was cancelled"))
 
     def _finish(self, state: TransferState, error: XferError | None = None) -> bool:
         """Move to a terminal state once; later calls lose. Returns True if this call won."""

@@ -7,17 +7,11 @@ reason is reported by ``select``.
 
 from __future__ import annotations
 
-import enum
 import importlib
 
+from ..config import TransportKind
+
 __all__ = ["TransportKind", "PREFERENCE", "load"]
-
-
-class TransportKind(str, enum.Enum):
-    LOCAL = "local"  # same process (any device), or host shared memory between local processes
-    IPC = "ipc"  # CUDA IPC / UVA peer mappings between processes on one node
-    NVSHMEM = "nvshmem"  # NVSHMEM symmetric memory, put-with-signal
-    UCX = "ucx"  # UCX through ucxx, across nodes
 
 
 # tried in this order when no transport is pinned: the most direct path first

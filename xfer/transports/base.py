@@ -103,9 +103,9 @@ class Transport(ABC):
     Life cycle: ``probe`` (class-level: usable in this process?) → ``__init__`` →
     ``export_region`` for each registered region (what peers need to reach it) →
     ``check_route`` per (local region, peer region, op) → ``post`` jobs → ``disconnect`` /
-    ``close``. ``post`` must return quickly and end every job's transfer by its deadline with
-    ``transfer._finish(state, error)``; blocks are reported complete only once all their bytes
-    have landed.
+    ``close``. ``post`` must return quickly and end every job's transfer by its deadline with exactly one
+    ``transfer.complete()`` or ``transfer.fail(exc)``, once none of its bytes can land any more;
+    blocks are reported complete only once all their bytes have landed.
     """
 
     kind: ClassVar[TransportKind]

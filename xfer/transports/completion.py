@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 from .. import errors
+from ..error_codec import reply_error
 from .base import Job
 
-__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "remote_error"]
-
-
-def remote_error(reply: dict, peer: str) -> errors.XferError | None:
-    """The typed exception an error reply from ``peer`` names (None for ``ok``)."""
-    if reply.get("ok"):
-        return None
-    name = reply.get("error")
-    cls = getattr(errors, name, None) if isinstance(name, str) and name in errors.__all__ else None
-    if not (isinstance(cls, type) and issubclass(cls, errors.XferError)):
-        cls = errors.TransportError
-    return cls(f"peer {peer!r} refused: {reply.get('message', '(no message)')}")
+__all__ = ["notify_peer", "notify_peer_batch", "raise_remote"]
 
 
 def raise_remote(reply: dict, peer: str) -> None:
-    """Turn an error reply from ``peer`` into the typed exception it names."""
-    error = remote_error(reply, peer)
+    """Turn an error reply from ``peer`` into the typed exception it names (xfer.error_codec)."""
+    error = reply_error(reply, peer)
     if error is not None:
         raise error
 
@@ -48,5 +38,5 @@ def notify_peer_batch(jobs: list[Job], sender: str) -> list[errors.XferError | N
     name = jobs[0].peer.name
     raise_remote(reply, name)
     failed = reply.get("failed") or {}
-    return [remote_error({"ok": False, **failed[str(i)]}, name) if str(i) in failed else None
+    return [reply_error({"ok": False, **failed[str(i)]}, name) if str(i) in failed else None
             for i in range(len(jobs))]

@@ -14,19 +14,12 @@ import time
 
 from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
 from ...kernels import staging_layout
-from ...transfer import Notification, Op, TransferState
+from ...transfer import Notification, Op
 from . import proto
 from ..completion import notify_peer, raise_remote
 from .lanes import ABORT_NOTICE_S, GRACE_S, FINISH_WAIT_S, _Item, _Stop, log
 
 __all__ = ["WriteSend", "ServeRead", "Receive", "ReadReceive"]
-
-
-def _fail(transfer, error: XferError) -> None:
-    if isinstance(error, TransferTimeoutError):
-        transfer._finish(TransferState.TIMED_OUT, error)
-    else:
-        transfer._finish(TransferState.FAILED, error)
 
 
 def _as_xfer_error(exc: BaseException, what: str) -> XferError:
@@ -121,7 +114,7 @@ class _Initiated(_Item):
         super().check(lane)
 
     def skip(self, lane, error: XferError) -> None:
-        _fail(self.job.transfer, error)
+        self.job.transfer.fail(error)
 
 
 class WriteSend(_Initiated):
@@ -134,7 +127,7 @@ class WriteSend(_Initiated):
         job, t = self.job, self.job.transfer
         if t.poll().terminal:
             return
-        t._start()
+        t.begin()
         lane.take_seqs(self, self.plan.chunks)
         queued = False
         try:
@@ -146,7 +139,7 @@ class WriteSend(_Initiated):
             reply, _ = job.peer.request({"type": "nvshmem.finish", **self.owner.member_fields(),
                                          "transfer_id": t.id}, b"", deadline=t.deadline)
             raise_remote(reply, job.peer.name)
-            t._finish(TransferState.DONE)
+            t.complete()
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
             error = _as_xfer_error(exc, f"NVSHMEM write {t.id}")
             lane.dead_upto = max(lane.dead_upto, self.last)
@@ -154,7 +147,7 @@ class WriteSend(_Initiated):
                 lane.drain(self.last)
             if not isinstance(error, PeerDisconnectedError):
                 _notice_abort(job, self.owner, proto.ROLE_WRITE, self.last)
-            _fail(t, error)
+            t.fail(error)
         finally:
             self.keep = None
 
@@ -258,7 +251,7 @@ class ReadReceive(_Initiated):
         job, t = self.job, self.job.transfer
         if t.poll().terminal:
             return
-        t._start()
+        t.begin()
         lane.take_seqs(self, self.plan.chunks)
         queued = False
         try:
@@ -267,7 +260,7 @@ class ReadReceive(_Initiated):
             queued = True
             _recv_all(lane, self)
             notify_peer(job, self.owner.ctx.agent_name)
-            t._finish(TransferState.DONE)
+            t.complete()
         except BaseException as exc:  # noqa: BLE001
             error = _as_xfer_error(exc, f"NVSHMEM read {t.id}")
             lane.dead_upto = max(lane.dead_upto, self.last)
@@ -275,6 +268,6 @@ class ReadReceive(_Initiated):
                 lane.drain(self.last)  # before failing: the engine may reuse the blocks at once
             if not isinstance(error, PeerDisconnectedError):
                 _notice_abort(job, self.owner, proto.ROLE_READ, self.last)
-            _fail(t, error)
+            t.fail(error)
         finally:
             self.keep = None

@@ -36,7 +36,7 @@ import torch
 
 from ...errors import AgentClosedError, InvalidArgumentError, TransportError, TransportUnavailableError, XferError
 from ...metadata import RegionRecord
-from ...transfer import Op, TransferState
+from ...transfer import Op
 from .. import TransportKind
 from . import runtime as nvshmem_runtime
 from . import lanes
@@ -167,7 +167,7 @@ class NvshmemTransport(Transport):
     # ---- transfers -------------------------------------------------------------------------------
     def post(self, job: Job) -> None:
         if self._closed:
-            job.transfer._finish(TransferState.FAILED, AgentClosedError("the nvshmem transport is closed"))
+            job.transfer.fail(AgentClosedError("the nvshmem transport is closed"))
             return
         try:
             if job.local_ids.size == 0:
@@ -189,17 +189,17 @@ class NvshmemTransport(Transport):
                 self.rt.lanes.recv(pe, proto.ROLE_READ).submit(ReadReceive(self, job, plan))
             self.stats[f"staged_{job.op.value}"] += 1
         except XferError as exc:
-            job.transfer._finish(TransferState.FAILED, exc)
+            job.transfer.fail(exc)
 
     def _empty(self, job: Job) -> None:
         """No blocks: nothing moves; the peer still hears of the transfer."""
         t = job.transfer
-        t._start()
+        t.begin()
         try:
             notify_peer(job, self.ctx.agent_name)
-            t._finish(TransferState.DONE)
+            t.complete()
         except XferError as exc:
-            t._finish(TransferState.TIMED_OUT if isinstance(exc, TimeoutError) else TransferState.FAILED, exc)
+            t.fail(exc)
 
     def member_fields(self) -> dict:
         rt = self.rt

@@ -19,10 +19,9 @@ from abc import abstractmethod
 
 import torch
 
-from ...config import env_on
-from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...errors import PeerDisconnectedError, TransportError, XferError
 from ...shm import pid_alive
-from ...transfer import Op, TransferState
+from ...transfer import Op
 from ..base import Job, Transport
 from ..completion import notify_peer, notify_peer_batch
 
@@ -37,7 +36,7 @@ class OneSidedTransport(Transport):
     """Subclasses say how to reach a peer region's base tensors (``map_peer``).
 
     Every transfer's copies go by the path ``AgentConfig.copy_path`` requests (None:
-    ``XFER_COPY_PATH``, else auto: see :mod:`xfer.kernels`); the path chosen is recorded on
+    ``settings.copy.path``, i.e. ``XFER_COPY_PATH``, else auto: see :mod:`xfer.kernels`); the path chosen is recorded on
     ``Transfer.copy_path`` and, where ``describe_copy`` is set, in ``Transfer.path`` with the
     reason (``ipc (copy: copy_engine_batch; auto (default table): 32768-byte slices d2h -> ...)``).
     """
@@ -57,9 +56,11 @@ class OneSidedTransport(Transport):
         self._closed = False
         self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
         self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
-        # XFER_LAUNCH_INLINE=0: every launch goes through the worker thread (the posting thread
-        # then never runs a launch, e.g. one that opens a new peer's IPC handles)
-        self._inline = env_on("XFER_LAUNCH_INLINE")
+        # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread (the
+        # posting thread then never runs a launch, e.g. one that opens a new peer's IPC handles)
+        self._inline = ctx.config.settings.onesided.launch_inline
+        config = ctx.config  # the copy path asked for: AgentConfig's, else the settings' (XFER_COPY_PATH)
+        self._copy_request = config.copy_path if config.copy_path is not None else config.settings.copy.path
         self._done: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
@@ -79,7 +80,7 @@ class OneSidedTransport(Transport):
     def post(self, job: Job) -> None:
         with self._order:
             if self._closed:
-                job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport is closed"))
+                job.transfer.fail(TransportError(f"{self.kind.value} transport is closed"))
                 return
             if self._inline and self._queued == 0 and self._launches_async(job):
                 self._start(job)  # on this thread: nothing posted earlier waits to launch
@@ -118,7 +119,7 @@ class OneSidedTransport(Transport):
             except queue.Empty:
                 break
             if job is not None:
-                job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport closed"))
+                job.transfer.fail(TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
         self._bound.clear()
 
@@ -156,11 +157,11 @@ class OneSidedTransport(Transport):
         """Launch the job's copies and hand it to the completer (a stream launch holds ``_order``)."""
         if job.transfer.poll().terminal:
             return
-        job.transfer._start()
-        job.transfer._mark("started")
+        job.transfer.begin()
+        job.transfer.mark("started")
         try:
             event = self._launch(job)
-            job.transfer._mark("launched")
+            job.transfer.mark("launched")
             self._done.put((job, event))
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
             self._fail(job, exc)
@@ -211,7 +212,7 @@ class OneSidedTransport(Transport):
                     time.sleep(20e-6)
             if t.cancel_requested:
                 raise t.error
-            t._mark("copied")
+            t.mark("copied")
             return True
         except BaseException as exc:  # noqa: BLE001
             self._fail(job, exc)
@@ -229,19 +230,16 @@ class OneSidedTransport(Transport):
                 self._fail(job, exc)
             return
         for job, error in zip(batch, refused):
-            job.transfer._mark("acked")
+            job.transfer.mark("acked")
             if error is None:
-                job.transfer._finish(TransferState.DONE)
+                job.transfer.complete()
             else:
                 self._fail(job, error)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
-        if isinstance(exc, TransferTimeoutError):
-            job.transfer._finish(TransferState.TIMED_OUT, exc)
-        elif isinstance(exc, XferError):
-            job.transfer._finish(TransferState.FAILED, exc)
-        else:  # never leave a transfer hanging on a bug
-            job.transfer._finish(TransferState.FAILED, TransportError(f"{self.kind.value} transport failed: {exc!r}"))
+        if not isinstance(exc, XferError):  # never leave a transfer hanging on a bug
+            exc = TransportError(f"{self.kind.value} transport failed: {exc!r}")
+        job.transfer.fail(exc)
 
     def _bound_copy(self, job: Job):
         """The checked copy between the local region and the peer's (mapped once), per direction."""
@@ -264,7 +262,7 @@ class OneSidedTransport(Transport):
         bound = self._bound_copy(job)
         t = job.transfer
         src_ids, dst_ids = (job.local_ids, job.peer_ids) if job.op is Op.WRITE else (job.peer_ids, job.local_ids)
-        request = self.ctx.config.copy_path
+        request = self._copy_request
         chosen, why = bound.select_path(request)
         t.copy_path = chosen.value
         if self.describe_copy:

@@ -169,7 +169,7 @@ class Flow:
             self.engine.fail(self, err)
             return
         if self.transfer is not None and chunk.seq == 0:
-            self.transfer._mark("gathered")  # the first chunk (the pipeline's exposed head)
+            self.transfer.mark("gathered")  # the first chunk (the pipeline's exposed head)
         self.engine.send_chunk(self, chunk, slot)
 
     # ---- chunk completions -------------------------------------------------------------------
@@ -186,7 +186,7 @@ class Flow:
 
     def sent(self, slot: Slot, err) -> None:
         if self._chunk_ended(slot, err) and self.transfer is not None and self.all_landed():
-            self.transfer._mark("sent")  # UCX completed the last chunk's send; the peer's ACK follows
+            self.transfer.mark("sent")  # UCX completed the last chunk's send; the peer's ACK follows
         # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
@@ -219,7 +219,7 @@ class Flow:
             return
         if self._chunk_ended(slot, err) and self.all_landed():
             if self.transfer is not None:
-                self.transfer._mark("landed")
+                self.transfer.mark("landed")
             self.engine.landed(self)
 
     def _wait_ready(self) -> None:
@@ -237,5 +237,5 @@ class Flow:
     def _scattered(self, slot: Slot, err) -> None:
         if self._chunk_ended(slot, err) and self.all_landed():
             if self.transfer is not None:
-                self.transfer._mark("landed")  # READ: every chunk scattered here; FIN and the ACK follow
+                self.transfer.mark("landed")  # READ: every chunk scattered here; FIN and the ACK follow
             self.engine.landed(self)

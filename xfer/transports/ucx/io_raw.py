@@ -35,8 +35,6 @@ import os
 
 import numpy as np
 
-from ...config import env_on
-
 __all__ = ["IovSender", "iov_sender"]
 
 _FIELD_DATATYPE = 1 << 3
@@ -194,9 +192,6 @@ def iov_sender() -> tuple[IovSender | None, str | None]:
     global _sender, _why_not
     if _sender is not None or _why_not is not None:
         return _sender, _why_not
-    if not env_on("XFER_UCX_IOV"):
-        _why_not = "XFER_UCX_IOV=0"
-        return None, _why_not
     ucp_path, ucs_path = _loaded("libucp.so"), _loaded("libucs.so")
     if ucp_path is None or ucs_path is None:
         _why_not = "libucp/libucs are not mapped in this process (ucxx not imported?)"

@@ -58,14 +58,13 @@ import time
 
 import numpy as np
 
-from ... import errors
+from ... import error_codec
 from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
-from ...transfer import TransferState
 from . import wire
 from .conn import Conn
 from .staging import Copier, StagingPool
 
-__all__ = ["Engine", "RawProbe", "error_class"]
+__all__ = ["Engine", "RawProbe"]
 
 PROBE_BATCH = 256  # messages taken per loop turn
 HOLD_S = 0.2  # a failed flow's in-place receives may run this long before its connection is closed
@@ -155,7 +154,7 @@ def _address(buf) -> tuple[int, int]:
 
 
 class Engine:
-    def __init__(self, ctx, settings: wire.UcxSettings, ucx):
+    def __init__(self, ctx, settings, ucx):
         self.ctx, self.settings, self.ucx = ctx, settings, ucx
         self.log = ctx.log
         u = ucx.libucxx
@@ -196,7 +195,7 @@ class Engine:
         from .io_raw import iov_sender
         # raw tag calls on ucxx's libucp (None: ucxx's API, every chunk staged): scatter-gather
         # sends from host blocks, and probes and receives, so that a chunk can land in place
-        self.iov, self.iov_off = iov_sender()
+        self.iov, self.iov_off = iov_sender() if settings.iov else (None, "XFER_UCX_IOV=0")
         self.iov_rx = self.iov is not None and settings.iov_recv
         self._worker_handle = self.worker.handle
         self._info = (ctypes.c_uint64 * 2)()  # a raw probe's (sender tag, length)
@@ -531,10 +530,9 @@ class Engine:
     def _report_failed(self, flow, err: XferError, notify_peer: bool) -> None:
         if notify_peer and not flow.conn.dead and flow.conn.ready:
             self.proto.send_ctrl(flow.conn, wire.Kind.CANCEL, {"k": flow.key, "init": flow.initiator,
-                                                               "why": type(err).__name__})
+                                                               "why": error_codec.encode(err)[0]})
         if flow.transfer is not None:
-            state = TransferState.TIMED_OUT if isinstance(err, TransferTimeoutError) else TransferState.FAILED
-            flow.transfer._finish(state, err)
+            flow.transfer.fail(err)
 
     def drop(self, flow) -> None:
         flow.dead = True
@@ -635,7 +633,3 @@ class Engine:
         self.worker = None
         self.context = None
 
-
-def error_class(name) -> type:
-    cls = getattr(errors, name, None) if isinstance(name, str) and name in errors.__all__ else None
-    return cls if isinstance(cls, type) and issubclass(cls, errors.XferError) else errors.TransportError

@@ -3,37 +3,22 @@ the hello, and the REQ / REFUSE / ACK / FIN / CANCEL messages (see wire)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 
 from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
                       TransferCancelledError, TransferTimeoutError, XferError)
+from ... import error_codec
 from ...layout import KVLayout
-from ...transfer import Notification, Op, TransferState
+from ...transfer import Notification, Op
 from . import wire
 from .conn import Conn
-from .loop import error_class
 from .flow import Flow, in_place, peer_in_place
 from .staging import BlockCopier, chunk_list, plan_chunks
 
-__all__ = ["Protocol", "PIPELINE_MIN_CHUNKS"]
+__all__ = ["Protocol"]
 
-# a transfer staged on both sides is cut into about PIPELINE_MIN_CHUNKS chunks (gather, wire and
-# scatter overlap; the first gather and the last scatter are not hidden), none below
-# MIN_CHUNK_BYTES (fixed costs a chunk)
-PIPELINE_MIN_CHUNKS = wire._env_int("XFER_UCX_MIN_CHUNKS", 16)
-# where either side moves its chunks in place (one copy stage left to overlap with the wire, or
-# none), fewer, larger chunks: each costs a rendezvous and both engines' handling. CPU VM,
-# loopback, 64 MiB of 4 KiB blocks: sent in place, 2.87-2.89 GB/s in 16 chunks against 3.07-3.17
-# in 4; gathered on the initiator and received in place, 0.55 of a contiguous ucxx send in 16
-# chunks, 0.57-0.72 in 8 and 0.65-0.76 in 4 (2026-12-05, interleaved runs)
-PIPELINE_MIN_CHUNKS_IN_PLACE = wire._env_int("XFER_UCX_MIN_CHUNKS_IN_PLACE", 4)
-MIN_CHUNK_BYTES = wire._env_int("XFER_UCX_MIN_CHUNK_BYTES", 1 << 20)
-# between two device regions a chunk's stages are HBM copies of tens of microseconds against
-# ~0.1-0.2 ms of host work a chunk: no cutting below the slot size (XFER_UCX_DEVICE_CHUNK_BYTES)
-PIPELINE_MIN_CHUNKS_DEVICE = wire._env_int("XFER_UCX_MIN_CHUNKS_DEVICE", 1)
 
 
 class Protocol:
@@ -180,16 +165,16 @@ class Protocol:
                                      header.get("k"))
             return  # late message of a dropped transfer
         if kind is wire.Kind.REFUSE:
-            cls = error_class(header.get("error"))
-            self.e.fail(flow, cls(f"peer {conn.name!r} refused transfer {flow.tid}: {header.get('message')}"),
-                        notify_peer=False)
+            self.e.fail(flow, error_codec.decode(header.get("error"), header.get("message"),
+                                                 f"peer {conn.name!r} refused transfer {flow.tid}"), notify_peer=False)
         elif kind is wire.Kind.ACK:
             self.e.drop(flow)
-            flow.transfer._finish(TransferState.DONE)
+            flow.transfer.complete()
         elif kind is wire.Kind.CANCEL:
-            why = header.get("why")
-            cls = TransferTimeoutError if why == "TransferTimeoutError" else (
-                TransferCancelledError if why == "TransferCancelledError" else PeerDisconnectedError)
+            why = header.get("why")  # the peer's reason, by name: its deadline or its caller's cancel stand,
+            cls = error_codec.error_class(why)  # anything else is the peer dropping it
+            if not issubclass(cls, (TransferTimeoutError, TransferCancelledError)):
+                cls = PeerDisconnectedError
             who = "initiator" if header.get("init") else "target"
             self.e.fail(flow, cls(f"the {who} {conn.name!r} dropped transfer {flow.tid or flow.key} ({why}); no "
                                   f"block is reported complete"), notify_peer=False)
@@ -199,7 +184,7 @@ class Protocol:
         t = job.transfer
         if t.poll().terminal:
             return
-        t._mark("started")  # the engine thread took the posted job
+        t.mark("started")  # the engine thread took the posted job
         try:
             conn = self.connect(job.peer.metadata)
             copier, pool = self._copier(job.local), self.e.pool(self._pool_kind(job.local))
@@ -208,14 +193,15 @@ class Protocol:
             peer_slot, peer_device = self._peer_slot(job.peer.metadata, job.peer_region)
             moves_in_place = in_place(self.e, job.op is Op.WRITE, copier, pool, sender) or peer_in_place(
                 job.peer.metadata.transports.get("ucx") or {}, job.peer_region, job.op is Op.READ, sender)
+            st = self.e.settings  # cut into about min_chunks chunks so gather, wire and scatter overlap
             if pool.kind.startswith("cuda") and peer_device:
-                min_chunks = PIPELINE_MIN_CHUNKS_DEVICE
+                min_chunks = st.min_chunks_device
             else:
-                min_chunks = PIPELINE_MIN_CHUNKS_IN_PLACE if moves_in_place else PIPELINE_MIN_CHUNKS
-            bpc, lpc = plan_chunks(job.local.layout, n, min(pool.nbytes, peer_slot), min_chunks, MIN_CHUNK_BYTES)
+                min_chunks = st.min_chunks_in_place if moves_in_place else st.min_chunks
+            bpc, lpc = plan_chunks(job.local.layout, n, min(pool.nbytes, peer_slot), min_chunks, st.min_chunk_bytes)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
         except XferError as exc:
-            t._finish(TransferState.FAILED, exc)
+            t.fail(exc)
             return
         flow = Flow(self.e, key=next(self.e._keys), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
                     copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
@@ -225,7 +211,7 @@ class Protocol:
         if not flow.sending:
             self.e._rx[(conn.local_id, flow.xid)] = flow
         t.path = self.describe(job.local, copier, pool, flow.iov, flow.iov_rx)
-        t._start(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
+        t.begin(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
         self.e._flows[flow.key] = flow
         conn.flows[id(flow)] = flow
         header = {"k": flow.key, "op": job.op.value, "region": job.peer_region.name, "n": n, "bpc": bpc, "lpc": lpc,
@@ -237,7 +223,7 @@ class Protocol:
             header["layout"] = job.local.layout.to_dict()
         header["lid"] = lid
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
-        t._mark("requested")
+        t.mark("requested")
         self.e.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
 
     def _cancelled(self, flow: Flow) -> None:
@@ -282,8 +268,8 @@ class Protocol:
                     f"XFER_UCX_DEVICE_CHUNK_BYTES differs)")
             copier, pool = self._copier(region), self.e.pool(kind)
         except (XferError, ValueError, KeyError, TypeError) as exc:
-            name = type(exc).__name__ if isinstance(exc, XferError) else "InvalidArgumentError"
-            self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": str(exc)})
+            name, message = error_codec.encode(exc if isinstance(exc, XferError) else InvalidArgumentError(str(exc)))
+            self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": message})
             if fresh:
                 self.e.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
             return

@@ -30,7 +30,7 @@ faster than they are scattered wait in UCX's own unexpected-message buffers (bou
 transfers in flight, not by the staging slots). Wire format: wire.py; progress model and the
 slot argument: loop.py.
 
-Settings: :class:`~xfer.transports.ucx.wire.UcxSettings` (``XFER_UCX_*`` environment variables);
+Settings: :class:`xfer.settings.UcxSettings` (``AgentConfig.settings.ucx``; ``XFER_UCX_*`` variables);
 UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_RAILS``) apply.
 """
 
@@ -42,12 +42,13 @@ import socket
 
 from ...errors import PeerDisconnectedError, TransportError
 from ...metadata import RegionRecord
-from ...transfer import Op, TransferState
+from ...settings import UcxSettings
+from ...transfer import Op
 from .. import TransportKind
 from ..base import Job, LocalRegion, PeerHandle, Transport
-from .wire import VERSION, UcxSettings
+from .wire import VERSION
 
-__all__ = ["UcxTransport", "UcxSettings"]
+__all__ = ["UcxTransport"]
 
 
 def _import_ucxx():
@@ -70,7 +71,7 @@ class UcxTransport(Transport):
         super().__init__(ctx)
         from .loop import Engine
 
-        self.settings = settings or UcxSettings.from_env()
+        self.settings = settings or ctx.config.settings.ucx
         self._engine = Engine(ctx, self.settings, _import_ucxx())
         self._closed = False
         self.address = self.settings.address or self._default_address()
@@ -123,7 +124,7 @@ class UcxTransport(Transport):
 
     def post(self, job: Job) -> None:
         if self._closed:
-            job.transfer._finish(TransferState.FAILED, TransportError("ucx transport is closed"))
+            job.transfer.fail(TransportError("ucx transport is closed"))
             return
         self._engine.call_soon(self._engine.proto.start, job)
 

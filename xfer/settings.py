@@ -1,0 +1,365 @@
+"""Every knob of xfer in one table, and the typed settings objects it is read into.
+
+Each :class:`Knob` names its environment variable, the settings object and field that hold it,
+its type, default and unit, and one line of why it exists. :meth:`Settings.from_env` parses the
+environment once (here and nowhere else) into frozen dataclasses; ``AgentConfig.settings`` holds
+one (read when the config is made), and the kernels' process defaults are :func:`current` (read
+on first use; :func:`reload` reads again). Nothing reads an ``XFER_*`` variable on a hot path.
+``docs/settings.md`` is generated from :data:`KNOBS` (:func:`render_markdown`); a test fails
+when it is stale or when code reads an ``XFER_*`` variable the table does not declare.
+
+Groups without a settings object here (``bench``) are read by the bench scripts themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Mapping
+
+from .errors import InvalidArgumentError
+
+__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "CopySettings", "OneSidedSettings", "SglangSettings",
+           "EngineSettings", "TUNED_UCX", "FOREIGN", "current", "reload", "render_markdown", "parse_bytes"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting: ``env`` overrides ``default``; ``group.field`` is where it is held."""
+
+    env: str
+    group: str  # the Settings attribute (ucx, copy, onesided, agent, sglang, engine) or "bench"
+    field: str
+    kind: str  # int (K/M suffixes allowed), bytes (same), bool, float, str, list (comma-separated)
+    default: object
+    unit: str
+    why: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("XFER_SECRET", "agent", "secret", "str", None, "",
+         "the deployment's shared secret (>= 16 bytes), AgentConfig.secret's default: metadata and every control "
+         "message are signed and checked; unset: off"),
+    Knob("XFER_COPY_PATH", "copy", "path", "str", None, "kernel|batch|2d|auto",
+         "how copies touching CUDA memory move (Triton kernel, cudaMemcpyBatchAsync, cudaMemcpy2DAsync, or auto "
+         "by the copy table); AgentConfig.copy_path's default; unset: auto"),
+    Knob("XFER_COPY_TABLE", "copy", "table", "str", None, "path",
+         "a JSON copy table for auto (bench/copy_calibrate.py's output) instead of the built-in one"),
+    Knob("TRITON_INTERPRET", "copy", "interpret", "bool", False, "",
+         "Triton's own variable: copies between CPU tensors run the Triton kernel in its interpreter (how CI "
+         "tests the kernel) rather than the torch reference"),
+    Knob("XFER_LAUNCH_INLINE", "onesided", "launch_inline", "bool", True, "",
+         "ipc/local/NVSHMEM-direct: a stream copy is launched by the posting thread when nothing posted earlier "
+         "waits (saves a thread hand-off); off: the worker thread launches every copy"),
+    Knob("XFER_UCX_CHUNK_BYTES", "ucx", "chunk_bytes", "bytes", 16 << 20, "bytes",
+         "host staging slot and wire message size; published to peers, who plan with the smaller side's"),
+    Knob("XFER_UCX_DEPTH", "ucx", "depth", "int", 4, "chunks",
+         "chunks of one transfer in flight at once (gathered, on the wire or being scattered); <= 255"),
+    Knob("XFER_UCX_SLOTS", "ucx", "slots", "int", 8, "slots",
+         "host staging slots per memory kind shared by all transfers (>= 2; sends hold at most half): the "
+         "footprint is slots x chunk_bytes whatever the transfers"),
+    Knob("XFER_UCX_DEVICE_CHUNK_BYTES", "ucx", "device_chunk_bytes", "bytes", 64 << 20, "bytes",
+         "device staging slot size (GPU-direct); each chunk costs ~0.1-0.2 ms of host work, so device "
+         "transfers move in as few chunks as fit"),
+    Knob("XFER_UCX_DEVICE_SLOTS", "ucx", "device_slots", "int", 4, "slots",
+         "device staging slots (device_slots x device_chunk_bytes of GPU memory per device, on first use)"),
+    Knob("XFER_UCX_PORT", "ucx", "port", "int", 0, "port", "UCX listener port (0: any free one)"),
+    Knob("XFER_UCX_ADDRESS", "ucx", "address", "str", None, "host",
+         "the address published to peers (default: the control listen_host, or this host's name resolved when "
+         "that is a wildcard)"),
+    Knob("XFER_UCX_KEEPALIVE_S", "ucx", "keepalive_s", "float", 1.0, "s",
+         "UCX endpoint keepalive: how soon a silent dead peer is noticed"),
+    Knob("XFER_UCX_INLINE_BYTES", "ucx", "inline_bytes", "bytes", 1 << 20, "bytes",
+         "chunks up to this size are gathered/scattered on the engine thread (two thread hand-offs fewer); larger "
+         "ones on the copy thread, overlapping the wire"),
+    Knob("XFER_UCX_IOV", "ucx", "iov", "bool", True, "",
+         "raw libucp tag calls (scatter-gather sends from host blocks, receives into them); off: ucxx's API "
+         "only, every chunk staged both ways"),
+    Knob("XFER_UCX_IOV_MIN_BYTES", "ucx", "iov_min_bytes", "bytes", 8192, "bytes",
+         "host blocks at least this big are sent straight from the blocks (below it each address costs UCX more "
+         "than the gather saves: 4 KiB blocks 0.49-0.64 of ucxx in place vs 0.65-0.76 gathered)"),
+    Knob("XFER_UCX_IOV_RECV", "ucx", "iov_recv", "bool", True, "",
+         "chunks are received straight into host blocks where both sides use the same block order; off: into a "
+         "slot, then scattered"),
+    Knob("XFER_UCX_IOV_RECV_MIN_BYTES", "ucx", "iov_recv_min_bytes", "bytes", 0, "bytes",
+         "the block size from which a host region receives in place (UCX unpacks into the address list in C: "
+         "512 B blocks 1.3-1.46 ms a lone write in place vs 1.8-2.0 scattered)"),
+    Knob("XFER_UCX_MIN_CHUNKS", "ucx", "min_chunks", "int", 16, "chunks",
+         "a transfer staged on both sides is cut into about this many chunks so gather, wire and scatter overlap"),
+    Knob("XFER_UCX_MIN_CHUNKS_IN_PLACE", "ucx", "min_chunks_in_place", "int", 4, "chunks",
+         "the same where either side moves its chunks in place (one copy stage or none left to overlap; 64 MiB "
+         "of 4 KiB blocks: 0.65-0.76 of ucxx in 4 chunks vs 0.55 in 16)"),
+    Knob("XFER_UCX_MIN_CHUNK_BYTES", "ucx", "min_chunk_bytes", "bytes", 1 << 20, "bytes",
+         "no chunk is cut below this (each chunk has fixed costs: a message, completions, copy calls)"),
+    Knob("XFER_UCX_MIN_CHUNKS_DEVICE", "ucx", "min_chunks_device", "int", 1, "chunks",
+         "between two device regions a chunk's stages are HBM copies of tens of us against ~0.1-0.2 ms of host "
+         "work a chunk: no cutting below the slot size"),
+    Knob("XFER_SGLANG_TIMEOUT_S", "sglang", "timeout_s", "float", 30.0, "s",
+         "the SGLang connector's deadline per transfer and per handshake step"),
+    Knob("XFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "sglang", "bootstrap_timeout_s", "float", 300.0, "s",
+         "how long an SGLang sender waits for its decode peer to bootstrap"),
+    Knob("XFER_SGLANG_TRANSPORTS", "sglang", "transports", "list", None, "names",
+         "start only these xfer transports in SGLang's connector (e.g. local,ucx); unset: every one that can run"),
+    Knob("XFER_SGLANG_HOST", "sglang", "host", "str", "127.0.0.1", "host",
+         "the control address the SGLang connector's agents listen on"),
+    Knob("XFER_SGLANG_REPLACE", "sglang", "replace", "str", None, "backend",
+         "set by xfer.engine.sglang_plugin.install: processes SGLang spawns swap this transfer backend (e.g. "
+         "mooncake) for xfer's (read by the sitecustomize hook at interpreter start)"),
+    Knob("XFER_TP_BACKEND", "engine", "tp_backend", "str", "gloo", "backend",
+         "torch.distributed backend of the demo engine's tensor-parallel group"),
+    Knob("XFER_BENCH_DEBUG", "bench", "debug", "bool", False, "",
+         "xfer-bench prints the traceback of an unexpected error (bench/cli.py)"),
+    Knob("XFER_UCX_BENCH_NS", "bench", "netns", "str", None, "JSON",
+         "internal: the namespace pair bench/ucx_bench.py --netns hands the copy of itself it runs in namespace A"),
+)
+
+# Other programs' variables xfer reads or sets (theirs to define; listed in docs/settings.md)
+FOREIGN: tuple[tuple[str, str], ...] = (
+    ("UCX_*", "UCX's own settings (UCX_TLS, UCX_NET_DEVICES, ...) apply; the ucx transport sets TUNED_UCX's "
+              "TCP_TX_SEG_SIZE=512K, TCP_RX_SEG_SIZE=512K, TCP_MAX_IOV=64 and the keepalive only where the user "
+              "set none, and UCX_WARN_UNUSED_ENV_VARS=n if unset"),
+    ("NVSHMEM_DISABLE_CUDA_VMM", "set to 1 before NVSHMEM init where PEs share a GPU (its growing heap left peer "
+                                 "chunks unmapped there), unless the user set it"),
+    ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM's heap size: named in the error when a symmetric allocation fails"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "ipc reports its CUDA IPC handle kind (expandable segments or legacy) from it"),
+    ("CUDA_VISIBLE_DEVICES", "named when ipc cannot see a peer's GPU"),
+)
+
+# UCX's own defaults that cost two thirds of the wire over TCP (see ucx/transport.py): 8 KiB TCP
+# segments turn a rendezvous into thousands of small bcopy fragments, and a scatter-gather
+# rendezvous moves at most TCP_MAX_IOV entries (6 by default) per zero-copy fragment (32 x 256 x
+# 4 KiB: 0.62-0.70 of a contiguous ucxx send with 6, 0.72-0.89 with 64; 256 no better than 64).
+# A user's own UCX_* variable always wins over these.
+TUNED_UCX = {"TCP_TX_SEG_SIZE": "512K", "TCP_RX_SEG_SIZE": "512K", "TCP_MAX_IOV": "64"}
+
+
+def parse_bytes(name: str, raw: str) -> int:
+    """An integer setting; a K or M suffix multiplies by 1024 or 1024**2."""
+    text, scale = raw.strip().upper(), 1
+    if text[-1:] in ("K", "M"):
+        text, scale = text[:-1], 1024 if text[-1] == "K" else 1 << 20
+    try:
+        return int(text) * scale
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be an integer (optionally with K or M), got {raw!r}") from None
+
+
+def _parse(knob: Knob, raw: str | None):
+    if raw is None or not raw.strip():
+        return knob.default
+    if knob.kind in ("int", "bytes"):
+        return parse_bytes(knob.env, raw)
+    if knob.kind == "bool":  # 0, no, off or false turn it off
+        return raw.strip().lower() not in ("0", "no", "off", "false")
+    if knob.kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{knob.env} must be a number ({knob.unit}), got {raw!r}") from None
+    if knob.kind == "list":
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw if knob.kind == "str" else knob.default
+
+
+def _values(group: str, environ: Mapping[str, str]) -> dict:
+    return {k.field: _parse(k, environ.get(k.env)) for k in KNOBS if k.group == group}
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise InvalidArgumentError(what)
+
+
+@dataclass(frozen=True)
+class UcxSettings:
+    """The UCX transport's knobs (``XFER_UCX_*``; each explained in :data:`KNOBS`).
+
+    ``ucx_options``: UCX context options applied last (over :data:`TUNED_UCX` and the keepalive).
+    """
+
+    chunk_bytes: int = 16 << 20
+    depth: int = 4
+    slots: int = 8
+    device_chunk_bytes: int = 64 << 20
+    device_slots: int = 4
+    port: int = 0
+    address: str | None = None
+    keepalive_s: float = 1.0
+    inline_bytes: int = 1 << 20
+    iov: bool = True
+    iov_min_bytes: int = 8192
+    iov_recv: bool = True
+    iov_recv_min_bytes: int = 0
+    min_chunks: int = 16
+    min_chunks_in_place: int = 4
+    min_chunk_bytes: int = 1 << 20
+    min_chunks_device: int = 1
+    ucx_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "device_chunk_bytes"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 4096, f"{name} must be an int >= 4096, got {value!r}")
+        for name in ("slots", "device_slots"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 2,
+                   f"{name} must be an int >= 2 (sends and receives each need one), got {value!r}")
+        _check(isinstance(self.depth, int) and 1 <= self.depth <= 255, f"depth must be in 1..255, got {self.depth!r}")
+        _check(isinstance(self.port, int) and 0 <= self.port < 65536, f"port must be in 0..65535, got {self.port!r}")
+        for name in ("inline_bytes", "iov_min_bytes", "iov_recv_min_bytes", "min_chunk_bytes"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
+        for name in ("min_chunks", "min_chunks_in_place", "min_chunks_device"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _check(isinstance(self.keepalive_s, (int, float)) and self.keepalive_s > 0,
+               f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "UcxSettings":
+        return cls(**_values("ucx", os.environ if environ is None else environ))
+
+    def slot_bytes(self, kind: str) -> int:
+        """Bytes per staging slot of a pool kind ("host", "pinned", "cuda:N")."""
+        return self.device_chunk_bytes if kind.startswith("cuda") else self.chunk_bytes
+
+    def slot_count(self, kind: str) -> int:
+        return self.device_slots if kind.startswith("cuda") else self.slots
+
+    def context_options(self, environ: Mapping[str, str] | None = None) -> dict:
+        """UCX context options: the tuned defaults where the user's environment sets no ``UCX_*`` of
+        that name (read when the transport starts), the keepalive, then ``ucx_options``."""
+        environ = os.environ if environ is None else environ
+        opts = {k: v for k, v in TUNED_UCX.items() if f"UCX_{k}" not in environ}
+        if "UCX_KEEPALIVE_INTERVAL" not in environ:
+            opts["KEEPALIVE_INTERVAL"] = f"{self.keepalive_s}s"
+        opts.update(self.ucx_options)
+        return opts
+
+
+@dataclass(frozen=True)
+class CopySettings:
+    """How block copies touching CUDA memory pick their path (see ``xfer.kernels``)."""
+
+    path: str | None = None
+    table: str | None = None
+    interpret: bool = False
+
+
+@dataclass(frozen=True)
+class OneSidedSettings:
+    launch_inline: bool = True
+
+
+@dataclass(frozen=True)
+class SglangSettings:
+    """The SGLang connector's knobs (``xfer.engine.sglang_conn``)."""
+
+    timeout_s: float = 30.0
+    bootstrap_timeout_s: float = 300.0
+    transports: tuple[str, ...] | None = None
+    host: str = "127.0.0.1"
+    replace: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    tp_backend: str = "gloo"
+
+
+_GROUPS = {"ucx": UcxSettings, "copy": CopySettings, "onesided": OneSidedSettings, "sglang": SglangSettings,
+           "engine": EngineSettings}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every settings group; ``secret`` is the ``XFER_SECRET`` default of ``AgentConfig.secret``."""
+
+    ucx: UcxSettings = field(default_factory=UcxSettings)
+    copy: CopySettings = field(default_factory=CopySettings)
+    onesided: OneSidedSettings = field(default_factory=OneSidedSettings)
+    sglang: SglangSettings = field(default_factory=SglangSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    secret: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Defaults with the environment's ``XFER_*`` overrides (typed errors name a bad value)."""
+        environ = os.environ if environ is None else environ
+        groups = {name: kind(**_values(name, environ)) for name, kind in _GROUPS.items()}
+        return cls(**groups, **_values("agent", environ))
+
+
+_current: list[Settings] = []
+_lock = threading.Lock()
+
+
+def current() -> Settings:
+    """The process's settings from the environment, read on first use (the kernels' defaults)."""
+    if _current:
+        return _current[0]
+    with _lock:
+        if not _current:
+            _current.append(Settings.from_env())
+        return _current[0]
+
+
+def reload() -> Settings:
+    """Read the environment again for :func:`current` (tests, or a process that changed it)."""
+    with _lock:
+        _current[:] = [Settings.from_env()]
+    _generation[0] += 1
+    return _current[0]
+
+
+_generation = [0]  # bumped by reload: memos of what the settings decide compare it
+
+
+def generation() -> int:
+    return _generation[0]
+
+
+def _fmt_default(knob: Knob) -> str:
+    value = knob.default
+    if value is None:
+        return "unset"
+    if knob.kind == "bytes" and isinstance(value, int) and value >= 1024 and value % 1024 == 0:
+        return f"{value >> 20}M" if value % (1 << 20) == 0 else f"{value >> 10}K"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def render_markdown() -> str:
+    """``docs/settings.md``: the table of every knob (generated; do not edit the file by hand)."""
+    lines = ["# Settings", "",
+             "Generated from `xfer/settings.py` (`python -m xfer.settings > docs/settings.md`); a test fails when "
+             "this file is stale. Environment variables override the defaults; an agent reads them once, when its "
+             "`AgentConfig` is made (`AgentConfig.settings`, a `xfer.settings.Settings`; pass one to set them in "
+             "code). The kernels' defaults are read on first use (`xfer.settings.current()`).", "",
+             "| variable | setting | type | default | unit | why |", "|---|---|---|---|---|---|"]
+    for k in KNOBS:
+        where = f"`{k.group}.{k.field}`" if k.group != "bench" else "bench scripts"
+        why = k.why.replace("|", "\\|")
+        unit = k.unit.replace("|", "\\|")
+        lines.append(f"| `{k.env}` | {where} | {k.kind} | {_fmt_default(k)} | {unit} | {why} |")
+    lines += ["", "`int` and `bytes` values take a K or M suffix (x1024, x1024²); `bool` values 0, no, off or false "
+              "turn a setting off; `list` values are comma-separated.", "",
+              "## Other programs' variables", "", "| variable | what xfer does with it |", "|---|---|"]
+    lines += [f"| `{name}` | {what} |" for name, what in FOREIGN] + [""]
+    return "\n".join(lines)
+
+
+def _check_table() -> None:
+    """Every knob of a settings group is a field of its dataclass with the same default."""
+    for k in KNOBS:
+        if k.group == "bench":
+            continue
+        cls = Settings if k.group == "agent" else _GROUPS[k.group]
+        defaults = {f.name: f.default for f in fields(cls)}
+        assert defaults.get(k.field, object()) == k.default, f"{k.env}: {cls.__name__}.{k.field} default differs"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
