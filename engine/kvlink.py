@@ -261,7 +261,9 @@ class KVLink:
                                                     connect_timeout_s=config.timeout_s,
                                                     listen_host=config.listen_host, transport=config.transport,
                                                     enable=config.enable))
-        self.store = None
+        self.store = None  # this rank's own store (config.store_url)
+        self._stores: dict[str, object] = {}  # other stores peers were found in, by URL
+        self._peer_locks: dict[str, threading.Lock] = {}  # one connect at a time per peer or store URL
         self.layouts: list[KVLayout] = []
         self._tensors: list[list[torch.Tensor]] = []
         self.own_heads: Heads | None = None
@@ -319,29 +321,57 @@ class KVLink:
         return region_name(layer, None if heads is None or heads == self.own_heads else heads)
 
     # ---- peers ---------------------------------------------------------------------------------
-    def open_store(self):
-        if self.store is None and self.config.store_url is not None:
-            from xfer.store import open_store
-            self.store = open_store(self.config.store_url, host_if_missing=self.config.host_store,
-                                    timeout=self.config.timeout_s)
-        return self.store
+    # Finding and connecting to a peer waits on the network (the store, the peer's control port):
+    # the drop-ins call these from a Background thread, never from the engine's scheduler thread.
+    # Each is bounded by timeout_s; the link's lock is never held across the wait (per-name locks).
+    def _keyed_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._peer_locks.setdefault(key, threading.Lock())
+
+    def open_store(self, url: str | None = None):
+        """The store at ``url`` (default: this rank's own ``store_url``), opened once; None without one."""
+        from xfer.store import open_store
+        own = url is None or url == self.config.store_url
+        url = self.config.store_url if url is None else url
+        if url is None:
+            return None
+        if not str(url).startswith(("tcp://", "etcd://")):
+            raise InvalidArgumentError(f"store URL must be tcp://HOST:PORT or etcd://HOST:PORT, got {url!r}")
+        with self._keyed_lock("store:" + url):
+            store = self.store if own else self._stores.get(url)
+            if store is None:
+                store = open_store(url, host_if_missing=own and self.config.host_store, timeout=self.config.timeout_s)
+                with self._lock:
+                    if own:
+                        self.store = store
+                    else:
+                        self._stores[url] = store
+        return store
 
     def publish(self) -> None:
         with self._lock:
             self.version += 1
-            if self.open_store() is not None:
-                self.agent.publish(self.store)
+        store = self.open_store()
+        if store is not None:
+            self.agent.publish(store)
 
-    def peer(self, name: str, version: int = 0) -> str:
-        """Connect to ``name`` through the store (once, or again when it published ``version`` since)."""
-        with self._lock:
+    def peer(self, name: str, version: int = 0, store_url: str | None = None) -> str:
+        """Connect to ``name`` found in the store at ``store_url`` (default: this rank's store), once,
+        or again when it published ``version`` since. Bounded by ``timeout_s``: call it off the engine thread."""
+        with self._keyed_lock("peer:" + name):
             if self._connected.get(name, -1) >= version and name in self.agent.peers:
                 return name
-            if self.open_store() is None:
+            store = self.open_store(store_url)
+            if store is None:
                 raise InvalidArgumentError(f"peer {name!r} is not connected and no store_url is configured")
-            self.agent.connect_by_name(self.store, name, timeout=self.config.timeout_s)
-            self._connected[name] = max(version, 1)
+            self.agent.connect_by_name(store, name, timeout=self.config.timeout_s)
+            with self._lock:
+                self._connected[name] = max(version, 1)
         return name
+
+    def connected(self, name: str) -> bool:
+        """True if ``name`` is connected (a local check, never waits)."""
+        return name in self._connected and name in self.agent.peers
 
     def connect(self, metadata: bytes) -> str:
         """Connect by metadata bytes (in-process tests, or a caller that exchanged them itself)."""
@@ -391,8 +421,9 @@ class KVLink:
                 return
             self._closed = True
         self.agent.close()
-        if self.store is not None:
-            try:
-                self.store.close()
-            except XferError:
-                pass
+        for store in [self.store, *self._stores.values()]:
+            if store is not None:
+                try:
+                    store.close()
+                except XferError:
+                    pass

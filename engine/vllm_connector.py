@@ -18,13 +18,20 @@ once every layer ended, tells each prefill rank it read from to release the bloc
 failed load come back through ``get_block_ids_with_load_errors`` (vLLM then recomputes or fails
 the request, per ``kv_load_failure_policy``); unread prefill blocks free when their lease ends.
 
-Extra config keys (``kv_connector_extra_config``): ``store`` (metadata store URL, required across
-processes), ``host_store`` (bool: this instance may host a ``tcp://`` store), ``lease_s`` (120),
-``timeout_s`` (30, per layer transfer), ``load_async`` (True; False = layer-wise synchronous load),
-``peer_tp_size`` (the other side's TP size, default: this side's), ``listen_host``, ``transport``
-(pin one), ``transports`` (start only these),
+Nothing that waits on the network runs on vLLM's engine thread: finding and connecting to the
+prefill ranks, posting the reads and every release message run on a ``Background`` thread, each
+bounded by ``timeout_s``; ``start_load_kv`` and ``get_finished`` only post and poll. A load whose
+peer lookup has not finished by its deadline is given up (its blocks reported for recompute).
+A decode request aborted before it was scheduled, or while loading, tells the prefill ranks to
+release its blocks at once (as vLLM's NIXL connector does); blocks are handed back to vLLM only
+once the load's transfers have ended (``_WorkerSide._load_ended``, ``_WorkerSide._source_free``).
+
+Extra config keys (``kv_connector_extra_config``), checked strictly (unknown keys raise): see
+``xfer.engine.vllm_settings.EXTRA_KEYS``: ``store``, ``host_store``, ``lease_s`` (120), ``timeout_s``
+(30), ``load_async`` (true), ``peer_tp_size``, ``listen_host``, ``transport``, ``transports``,
 ``layout`` (``auto`` | ``flash_attn`` | ``flashinfer`` | ``packed`` | ``mla``), and for tests
-``tp_rank`` / ``tp_size`` / ``total_kv_heads`` / ``use_mla`` overrides.
+``tp_rank`` / ``tp_size`` / ``total_kv_heads`` / ``use_mla``. A decode instance looks the prefill
+up in the store the prefill named (``remote_store``), or its own.
 
 This module imports vLLM; ``import xfer.engine`` does not import this module.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,71 +55,16 @@ from xfer import KVLayout
 from xfer.errors import InvalidArgumentError, LayoutError, XferError
 from xfer.transfer import Op
 
+from .background import Background
 from .kvlink import (KVLink, LeaseTable, LinkConfig, LoadErrors, TransferGroup, head_plan, rank_heads,
                      readers_of)
+from .vllm_settings import LAYOUTS as _LAYOUTS
+from .vllm_settings import XferSettings
 
-__all__ = ["XferConnector", "XferConnectorMetadata", "XferSettings", "LoadSpec", "HoldSpec", "vllm_layer_layout"]
+__all__ = ["XferConnector", "XferConnectorMetadata", "XferSettings", "LoadSpec", "HoldSpec", "ReleaseSpec",
+           "vllm_layer_layout"]
 
 log = logging.getLogger("xfer.engine.vllm")
-
-_LAYOUTS = ("auto", "flash_attn", "flashinfer", "packed", "mla")
-
-
-@dataclass(frozen=True)
-class XferSettings:
-    """What the connector reads from ``VllmConfig`` and ``kv_connector_extra_config``."""
-
-    engine_id: str
-    is_producer: bool
-    is_consumer: bool
-    block_size: int
-    tp_size: int = 1
-    tp_rank: int | None = None  # None: ask vLLM's parallel state in the worker
-    peer_tp_size: int | None = None
-    total_kv_heads: int = 1
-    use_mla: bool = False
-    store_url: str | None = None
-    host_store: bool = False
-    lease_s: float = 120.0
-    timeout_s: float = 30.0
-    load_async: bool = True
-    listen_host: str = "127.0.0.1"
-    transport: str | None = None
-    transports: tuple[str, ...] | None = None
-    layout: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.layout not in _LAYOUTS:
-            raise InvalidArgumentError(f"kv_connector_extra_config.layout must be one of {_LAYOUTS}, got {self.layout!r}")
-        for name in ("lease_s", "timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise InvalidArgumentError(f"kv_connector_extra_config.{name} must be a number > 0, got {v!r}")
-        if self.lease_s <= self.timeout_s:
-            raise InvalidArgumentError(f"lease_s ({self.lease_s}) must exceed timeout_s ({self.timeout_s}): a lease "
-                                       f"shorter than one transfer frees blocks a reader is still copying")
-
-    @property
-    def peer_tp(self) -> int:
-        return self.peer_tp_size or self.tp_size
-
-    @classmethod
-    def from_vllm(cls, vllm_config) -> "XferSettings":
-        kv = vllm_config.kv_transfer_config
-        extra = dict(kv.kv_connector_extra_config or {})
-        mc = vllm_config.model_config
-        return cls(
-            engine_id=str(kv.engine_id), is_producer=bool(kv.is_kv_producer), is_consumer=bool(kv.is_kv_consumer),
-            block_size=int(vllm_config.cache_config.block_size),
-            tp_size=int(extra.get("tp_size", vllm_config.parallel_config.tensor_parallel_size)),
-            tp_rank=extra.get("tp_rank"), peer_tp_size=extra.get("peer_tp_size"),
-            total_kv_heads=int(extra.get("total_kv_heads") or mc.get_total_num_kv_heads()),
-            use_mla=bool(extra.get("use_mla", mc.use_mla)), store_url=extra.get("store"),
-            host_store=bool(extra.get("host_store", False)), lease_s=float(extra.get("lease_s", 120.0)),
-            timeout_s=float(extra.get("timeout_s", 30.0)), load_async=bool(extra.get("load_async", True)),
-            listen_host=str(extra.get("listen_host", "127.0.0.1")), transport=extra.get("transport"),
-            transports=tuple(extra["transports"]) if extra.get("transports") else None,
-            layout=str(extra.get("layout", "auto")))
 
 
 @dataclass
@@ -126,6 +79,7 @@ class LoadSpec:
     local_blocks: list[int]
     sync: bool
     lease_expires: float  # time.time() at which the prefill side may free the blocks
+    store: str | None = None  # the store the prefill published in (None: this instance's own)
 
 
 @dataclass
@@ -137,9 +91,21 @@ class HoldSpec:
 
 
 @dataclass
+class ReleaseSpec:
+    """Decode side: a request finished before its load was planned (aborted before it was
+    scheduled): tell the prefill ranks this rank would have read from to free ``key``'s blocks."""
+
+    key: str
+    engine: str
+    remote_tp: int
+    store: str | None = None
+
+
+@dataclass
 class XferConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
 
 
 def vllm_layer_layout(t: torch.Tensor, *, mla: bool, kind: str = "auto") -> KVLayout:
@@ -175,11 +141,15 @@ def vllm_layer_layout(t: torch.Tensor, *, mla: bool, kind: str = "auto") -> KVLa
 
 
 # ---- scheduler side -------------------------------------------------------------------------------
+_HANDED_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)  # as NIXL: EOS-only too
+
+
 class _SchedulerSide:
     def __init__(self, s: XferSettings):
         self.s = s
         self.loads: list[LoadSpec] = []
         self.holds: list[HoldSpec] = []
+        self.releases: list[ReleaseSpec] = []
         self.local_hit: dict[str, int] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -196,9 +166,13 @@ class _SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         p = request.kv_transfer_params or {}
         local_hit = self.local_hit.pop(request.request_id, 0)
-        if not num_external_tokens or not p.get("do_remote_prefill"):
+        if not p.get("do_remote_prefill"):
             return
         p["do_remote_prefill"] = False  # load once, even if the request is preempted later
+        if not num_external_tokens:  # nothing to read (the decode caches it all): free the prefill's blocks
+            if p.get("remote_block_ids"):
+                self.releases.append(self._release(p))
+            return
         bs = self.s.block_size
         first, end = local_hit // bs, -(-(local_hit + num_external_tokens) // bs)
         local = list(blocks.get_block_ids()[0][first:end])
@@ -207,20 +181,33 @@ class _SchedulerSide:
         self.loads.append(LoadSpec(
             req_id=request.request_id, key=str(p.get("remote_request_id")), engine=str(p["remote_engine_id"]),
             remote_tp=int(p.get("remote_tp_size", 1)), remote_blocks=remote[:n], local_blocks=local[:n],
-            sync=not self.s.load_async, lease_expires=float(p.get("lease_expires", math.inf))))
+            sync=not self.s.load_async, lease_expires=float(p.get("lease_expires", math.inf)),
+            store=p.get("remote_store")))
+
+    @staticmethod
+    def _release(p: dict) -> ReleaseSpec:
+        return ReleaseSpec(key=str(p.get("remote_request_id")), engine=str(p.get("remote_engine_id")),
+                           remote_tp=int(p.get("remote_tp_size", 1)), store=p.get("remote_store"))
 
     def build_connector_meta(self, scheduler_output) -> XferConnectorMetadata:
-        meta = XferConnectorMetadata(loads=self.loads, holds=self.holds)
-        self.loads, self.holds = [], []
+        meta = XferConnectorMetadata(loads=self.loads, holds=self.holds, releases=self.releases)
+        self.loads, self.holds, self.releases = [], [], []
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         p = request.kv_transfer_params or {}
         self.local_hit.pop(request.request_id, None)
+        if self.s.is_consumer and p.get("do_remote_prefill"):
+            # finished before its load was planned (aborted before it was scheduled): the prefill
+            # still holds the blocks for us; tell it to free them now, not when the lease ends
+            p["do_remote_prefill"] = False
+            if p.get("remote_block_ids") and p.get("remote_engine_id"):
+                self.releases.append(self._release(p))
+            return False, None
         if not (self.s.is_producer and p.get("do_remote_decode")):
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
-            return False, None  # aborted, stopped early, or nothing computed: the decode side computes
+        if request.status not in _HANDED_OFF or not block_ids:
+            return False, None  # aborted, or nothing computed: the decode side computes
         self.holds.append(HoldSpec(request.request_id, [int(b) for b in block_ids]))
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.s.engine_id,
@@ -241,6 +228,21 @@ def _tp_rank(s: XferSettings) -> int:
         return 0
 
 
+class _Load:
+    """One request's load on this rank. ``begun`` is the Background call that finds the prefill
+    ranks and posts the reads; the engine thread only polls it and the group."""
+
+    __slots__ = ("spec", "group", "sources", "begun", "deadline", "lock", "aborted", "abandoned")
+
+    def __init__(self, spec: LoadSpec, layers: int, deadline: float):
+        self.spec, self.deadline = spec, deadline  # deadline: time.monotonic() the load must end by
+        self.group = TransferGroup(spec.req_id, layers)
+        self.sources: set[str] = set()
+        self.begun = None
+        self.lock = threading.Lock()  # held by the Background call while it posts; never waited on by the engine
+        self.aborted = self.abandoned = False
+
+
 class _WorkerSide:
     def __init__(self, s: XferSettings):
         self.s = s
@@ -248,10 +250,11 @@ class _WorkerSide:
         self.link = KVLink(LinkConfig(name=f"{s.engine_id}.tp{self.rank}", store_url=s.store_url,
                                       host_store=s.host_store, timeout_s=s.timeout_s, listen_host=s.listen_host,
                                       transport=s.transport, enable=s.transports))
+        self.bg = Background(f"xfer-{s.engine_id}.tp{self.rank}")
         self.layer_index: dict[str, int] = {}
         self.leases = LeaseTable()
         self.errors = LoadErrors()
-        self.loading: dict[str, tuple[TransferGroup, LoadSpec, set[str]]] = {}
+        self.loading: dict[str, _Load] = {}
         self.finished_seen: set[str] = set()
         self.released: set[str] = set()
         self.early: dict[str, int] = {}  # releases that came before their hold
@@ -306,57 +309,131 @@ class _WorkerSide:
         if key not in self.leases:
             self.early[key] = self.early.get(key, 0) + 1
         elif self.leases.release(key):
-            self.released.add(key)
+            self._source_free(key)
 
-    # -- decode side: loads
+    def _source_free(self, key: str) -> None:
+        """The one place the prefill side hands ``key``'s blocks back to vLLM (last release, or the
+        lease ended). Issue 29's fence tightens this: revoke the reads granted on these blocks and
+        report them only once no byte can be read from them any more."""
+        self.released.add(key)
+
+    # -- decode side: loads (posted from the engine thread, run on the Background)
     def start_load(self, spec: LoadSpec) -> None:
-        group, sources = TransferGroup(spec.req_id, self.link.num_layers), set()
-        self.loading[spec.req_id] = (group, spec, sources)
         left = spec.lease_expires - time.time()
+        load = _Load(spec, self.link.num_layers, time.monotonic() + max(0.0, min(self.s.timeout_s, left - 1.0)))
+        self.loading[spec.req_id] = load
         if left < 2.0:
-            group.fail(f"the prefill lease of {spec.key!r} ends in {left:.1f} s: too late to read")
-            return
-        if spec.remote_tp != self.s.peer_tp and not self.s.use_mla:
-            group.fail(f"prefill engine {spec.engine!r} runs TP {spec.remote_tp}; this decode instance was "
-                       f"configured for peer_tp_size={self.s.peer_tp}")
-            return
-        timeout = min(self.s.timeout_s, left - 1.0)
-        for src, heads in self.plan(spec.remote_tp, self.s.tp_size, self.rank):
-            try:
-                peer = self.link.peer(f"{spec.engine}.tp{src}")
-                sources.add(peer)
-                peer_heads = None if heads is None else self.heads_of(spec.remote_tp, src)
-                for layer in range(self.link.num_layers):
-                    group.add(layer, self.link.post(Op.READ, peer, layer, spec.local_blocks, spec.remote_blocks,
-                                                    heads=heads, peer_heads=peer_heads, timeout=timeout,
-                                                    note={"k": spec.key, "l": layer}))
-            except XferError as exc:
-                group.fail(f"reading {spec.key!r} from {spec.engine}.tp{src}: {exc}")
-                break
+            load.group.fail(f"the prefill lease of {spec.key!r} ends in {left:.1f} s: too late to read")
+        elif spec.remote_tp != self.s.peer_tp and not self.s.use_mla:
+            load.group.fail(f"prefill engine {spec.engine!r} runs TP {spec.remote_tp}; this decode instance was "
+                            f"configured for peer_tp_size={self.s.peer_tp}")
+        else:
+            load.begun = self.bg.submit(self._begin, load)
 
-    def finish_load(self, req_id: str) -> bool:
-        group, spec, sources = self.loading.pop(req_id)
-        ok = bool(group.wait())
-        if not ok:
-            log.warning("xfer: load of %s failed, %d blocks marked for recompute: %s", req_id,
-                        len(spec.local_blocks), "; ".join(group.errors)[:500])
-            self.errors.add(spec.local_blocks)
-        for peer in sources:
+    def _begin(self, load: _Load) -> None:
+        """Background: find each prefill rank this rank reads from, connect, post one READ per layer."""
+        spec = load.spec
+        for src, heads in self.plan(spec.remote_tp, self.s.tp_size, self.rank):
+            name = f"{spec.engine}.tp{src}"
             try:
-                self.link.send(peer, {"t": "release", "k": spec.key})
-            except XferError as exc:  # the lease frees the blocks anyway
-                log.info("xfer: release of %s to %s not delivered: %s", spec.key, peer, exc)
+                peer = self.link.peer(name, store_url=spec.store)
+                peer_heads = None if heads is None else self.heads_of(spec.remote_tp, src)
+                with load.lock:
+                    if load.abandoned or load.aborted:
+                        return
+                    load.sources.add(peer)
+                    timeout = load.deadline - time.monotonic()
+                    if timeout <= 0:
+                        load.group.fail(f"reading {spec.key!r} from {name}: no time left before the deadline")
+                        return
+                    for layer in range(self.link.num_layers):
+                        load.group.add(layer, self.link.post(Op.READ, peer, layer, spec.local_blocks,
+                                                             spec.remote_blocks, heads=heads, peer_heads=peer_heads,
+                                                             timeout=timeout, note={"k": spec.key, "l": layer}))
+            except XferError as exc:
+                load.group.fail(f"reading {spec.key!r} from {name}: {exc}")
+                return
+
+    def _settled(self, load: _Load) -> bool:
+        """Engine thread, never waits: True once the load's reads have all ended (or none will start)."""
+        running = load.begun is not None and not load.begun.done()
+        if running or load.aborted:
+            if not load.aborted and time.monotonic() < load.deadline:
+                return False
+            if not load.abandoned:  # stop: nothing more is posted, what was posted is cancelled
+                if not load.lock.acquire(blocking=False):
+                    return False  # the Background is posting right now: look again next step
+                try:
+                    load.abandoned = True
+                    load.group.fail("aborted" if load.aborted else
+                                    f"finding or connecting to prefill engine {load.spec.engine!r} took longer "
+                                    f"than {self.s.timeout_s:g} s")
+                    load.group.cancel()
+                finally:
+                    load.lock.release()
+        elif load.begun is not None and load.begun.exception() is not None:
+            load.group.fail(f"load of {load.spec.key!r}: {load.begun.exception()!r}")
+        return load.group.poll() is not None
+
+    def _load_ended(self, req_id: str) -> bool:
+        """The one place a load's destination blocks go back to vLLM (recving / load errors), called
+        only once every read of it ended; issue 29's fence makes "ended" mean no byte lands later.
+        Then the prefill ranks are told to release their blocks (on the Background)."""
+        load = self.loading.pop(req_id)
+        ok = bool(load.group.poll())
+        if not ok and not load.aborted:
+            log.warning("xfer: load of %s failed, %d blocks marked for recompute: %s", req_id,
+                        len(load.spec.local_blocks), "; ".join(load.group.errors)[:500])
+            self.errors.add(load.spec.local_blocks)
+        spec = load.spec  # every prefill rank this rank reads from, connected or not (an abort may come first)
+        self.release_unread(ReleaseSpec(key=spec.key, engine=spec.engine, remote_tp=spec.remote_tp, store=spec.store))
         return ok
+
+    def _send_release(self, peer: str, key: str) -> None:
+        try:
+            self.link.send(peer, {"t": "release", "k": key})
+        except XferError as exc:  # the lease frees the blocks anyway
+            log.info("xfer: release of %s to %s not delivered: %s", key, peer, exc)
+
+    def release_unread(self, spec: ReleaseSpec) -> None:
+        """Tell the prefill ranks this rank reads from to free ``spec.key``'s blocks (a load ended, or
+        a request that will never load: aborted before it was scheduled), on the Background."""
+        self.bg.submit(self._release_unread, spec)
+
+    def _release_unread(self, spec: ReleaseSpec) -> None:
+        for src, _ in self.plan(spec.remote_tp, self.s.tp_size, self.rank):
+            try:
+                self._send_release(self.link.peer(f"{spec.engine}.tp{src}", store_url=spec.store), spec.key)
+            except XferError as exc:
+                log.info("xfer: release of %s to %s.tp%d not delivered: %s", spec.key, spec.engine, src, exc)
+
+    def abort(self, req_id: str) -> None:
+        """vLLM finished ``req_id`` while it loads: stop its reads (ended and released by get_finished)."""
+        load = self.loading.get(req_id)
+        if load is not None:
+            load.aborted = True  # _settled cancels its reads without waiting on the Background
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
         if layer is None:
             return
-        for group, spec, _ in self.loading.values():
-            if spec.sync:
-                group.wait_layer(layer)
+        for load in list(self.loading.values()):
+            if not load.spec.sync:
+                continue
+            if load.begun is not None and not load.begun.done():  # a synchronous load waits by design,
+                try:  # for the forward it feeds, bounded by its deadline
+                    load.begun.result(timeout=max(0.0, load.deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - a timeout or the lookup's error: _settled reports it
+                    pass
+            if load.begun is not None and not load.begun.done():
+                self._settled(load)  # past its deadline: given up
+                continue
+            load.group.wait_layer(layer)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            if req_id in self.loading:
+                self.abort(req_id)
         # only requests holding blocks here matter (holds arrive before this call in the same step)
         self.finished_seen |= {r for r in finished_req_ids if r in self.leases or r in self.released}
         for _peer, op, msg in self.link.messages():
@@ -364,21 +441,23 @@ class _WorkerSide:
                 self.release(str(msg.get("k")))
         for key in self.leases.expired():
             log.warning("xfer: lease of %s ended before its readers released it; freeing its blocks", key)
-            self.released.add(key)
+            self._source_free(key)
         sending = {k for k in self.released if k in self.finished_seen}
         self.released -= sending
         self.finished_seen -= sending
         recving = set()
-        for req_id, (group, spec, _) in list(self.loading.items()):
-            if spec.sync or group.poll() is not None:
-                self.finish_load(req_id)
-                if not spec.sync:
+        for req_id, load in list(self.loading.items()):
+            if self._settled(load):
+                self._load_ended(req_id)
+                if not load.spec.sync:
                     recving.add(req_id)
         return sending or None, recving or None
 
     def close(self) -> None:
-        for group, _, _ in self.loading.values():
-            group.cancel()
+        for load in self.loading.values():
+            load.aborted = True
+            self._settled(load)
+        self.bg.close()
         self.link.close()
 
 
@@ -422,9 +501,12 @@ class XferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Posts and returns: the loads run on the worker's Background (see the module doc)."""
         meta = self._get_connector_metadata()
         for hold in meta.holds:
             self._worker.hold(hold)
+        for release in meta.releases:
+            self._worker.release_unread(release)
         for load in meta.loads:
             self._worker.start_load(load)
 

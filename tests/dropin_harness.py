@@ -259,6 +259,11 @@ def fake_vllm():
         def _get_connector_metadata(self):
             return self._connector_metadata
 
+        def get_transfer_results(self, finished_req_ids):  # vLLM 0.33's default: get_finished's two sets
+            sending, recving = self.get_finished(finished_req_ids)
+            return types.SimpleNamespace(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                         failed_recving=set())
+
     class RequestStatus(enum.IntEnum):
         RUNNING = 5
         FINISHED_STOPPED = 7

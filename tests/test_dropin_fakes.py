@@ -53,8 +53,12 @@ def vconfig(role, engine, store_url, *, tp=1, rank=0, peer_tp=None, heads=2, mla
 
 def caches(kind, heads, seed=None):
     """vLLM-style per-layer caches of ``kind`` as a dict of layer name -> tensor."""
-    if kind == "packed":  # vLLM 0.2x+: [B, H, N, 2*head] views
+    if kind == "packed":  # vLLM 0.33: one [B, H, N, 2*head] view per layer, NHD memory (LBNHC)
         ts = [torch.empty(BLOCKS, BS, heads, 2 * HEAD).permute(0, 2, 1, 3) for _ in range(LAYERS)]
+    elif kind == "packed_hnd":  # the same view over HND memory (LBHNC)
+        ts = [torch.empty(BLOCKS, heads, BS, 2 * HEAD) for _ in range(LAYERS)]
+    elif kind == LayoutKind.MLA:  # vLLM 0.33 MLA: [B, 1, N, 576]
+        ts = [torch.empty(BLOCKS, 1, BS, 576, dtype=torch.bfloat16) for _ in range(LAYERS)]
     else:
         ts, _ = make_kv_cache(kind, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS, num_heads=heads,
                               head_dim=576 if kind == LayoutKind.MLA else HEAD)
@@ -76,17 +80,28 @@ def blocks(ids):
 
 
 def worker_step(conn, meta, finished=()):
-    """The model runner's order around one step (no forward for these requests)."""
+    """vLLM 0.33's model runner order around one step (``_get_kv_connector_output``; no forward for
+    these requests): sync loads start before the forward, async ones after it."""
     conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)
+    sync = any(load.sync for load in meta.loads)
+    if sync:
+        conn.start_load_kv(None)
     for name in conn._worker.layer_index:
         conn.wait_for_layer_load(name)
         conn.save_kv_layer(name, None, None)
+    if not sync:
+        conn.start_load_kv(None)
     conn.wait_for_save()
-    done = conn.get_finished(set(finished))
+    res = conn.get_transfer_results(set(finished))
+    done = (res.finished_sending or None, res.finished_recving or None)
     errors = conn.get_block_ids_with_load_errors()
     conn.clear_connector_metadata()
     return done, errors
+
+
+def finished(sched, request, block_ids):
+    """What vLLM 0.33's scheduler calls for a connector that declares SupportsHMA: one list per group."""
+    return sched.request_finished_all_groups(request, (list(block_ids),))
 
 
 def step_until(conn, meta, *, want, limit_s=10.0, finished=()):
@@ -121,8 +136,7 @@ def pd(vm, store, kind, *, mla=False, heads=2, load_async=True):
     return P, D
 
 
-@pytest.mark.parametrize("kind", [LayoutKind.VLLM_FLASH_ATTN_NHD, LayoutKind.VLLM_FLASH_ATTN_HND,
-                                  LayoutKind.VLLM_FLASHINFER, "packed", LayoutKind.MLA])
+@pytest.mark.parametrize("kind", ["packed", "packed_hnd", LayoutKind.MLA])  # vLLM 0.33's per-layer views
 def test_vllm_prefill_to_decode(vmod, store, kind):
     mla = kind == LayoutKind.MLA
     heads = 1 if mla else 2
@@ -132,7 +146,7 @@ def test_vllm_prefill_to_decode(vmod, store, kind):
         P[vmod.Role.WORKER].register_kv_caches(pk)
         D[vmod.Role.WORKER].register_kv_caches(dk)
         prompt, p_ids = list(range(10)), [5, 1, 8]  # 10 tokens: 3 blocks of 4
-        delay, params = P[vmod.Role.SCHEDULER].request_finished(req("p1", prompt, {"do_remote_decode": True},
+        delay, params = finished(P[vmod.Role.SCHEDULER], req("p1", prompt, {"do_remote_decode": True},
                                                                     vm=vmod), p_ids)
         assert delay and params["remote_block_ids"] == p_ids
         hold = P[vmod.Role.SCHEDULER].build_connector_meta(None)
@@ -164,7 +178,7 @@ def test_vllm_sync_load_waits_layer_by_layer(vmod, store):
         pk, dk = caches("packed", 2, seed=4), caches("packed", 2)
         P[vmod.Role.WORKER].register_kv_caches(pk)
         D[vmod.Role.WORKER].register_kv_caches(dk)
-        _, params = P[vmod.Role.SCHEDULER].request_finished(req("p", list(range(9)), {"do_remote_decode": True},
+        _, params = finished(P[vmod.Role.SCHEDULER], req("p", list(range(9)), {"do_remote_decode": True},
                                                                 vm=vmod), [3, 4, 6])
         worker_step(P[vmod.Role.WORKER], P[vmod.Role.SCHEDULER].build_connector_meta(None), finished={"p"})
         d_req = req("d", list(range(9)), dict(params), status=vmod.Status.RUNNING, vm=vmod)
@@ -175,7 +189,7 @@ def test_vllm_sync_load_waits_layer_by_layer(vmod, store):
         w.start_load_kv(None)  # sync loads start before the forward
         names = list(dk)
         w.wait_for_layer_load(names[0])  # layer 0 has landed when this returns
-        group = w._worker.loading["d"][0]
+        group = w._worker.loading["d"].group
         assert all(t.poll().name == "DONE" for t in group.by_layer[0])
         w.wait_for_layer_load(names[1])
         s_r = w.get_finished(set())
@@ -205,7 +219,7 @@ def test_vllm_tp_mismatch(vmod, store, p_tp, d_tp):
             w.register_kv_caches(k)
         for w, k in zip(Dw, dk):
             w.register_kv_caches(k)
-        _, params = Ps.request_finished(req("p", list(range(8)), {"do_remote_decode": True}, vm=vmod), [4, 7])
+        _, params = finished(Ps, req("p", list(range(8)), {"do_remote_decode": True}, vm=vmod), [4, 7])
         hold = Ps.build_connector_meta(None)
         for w in Pw:
             worker_step(w, hold, finished={"p"})
@@ -232,7 +246,7 @@ def test_vllm_failed_load_reports_blocks(vmod, store):
         P[vmod.Role.WORKER].register_kv_caches(caches("packed", 2, seed=1))
         dk = caches("packed", 2)
         D[vmod.Role.WORKER].register_kv_caches(dk)
-        _, params = P[vmod.Role.SCHEDULER].request_finished(req("p", list(range(8)), {"do_remote_decode": True},
+        _, params = finished(P[vmod.Role.SCHEDULER], req("p", list(range(8)), {"do_remote_decode": True},
                                                                 vm=vmod), [0, 1])
         P[vmod.Role.WORKER].shutdown()  # prefill gone before the read
         d_req = req("d", list(range(8)), dict(params), status=vmod.Status.RUNNING, vm=vmod)
@@ -251,7 +265,7 @@ def test_vllm_lease_frees_unread_blocks(vmod, store):
     s, w = vmod.m.XferConnector(cfg, vmod.Role.SCHEDULER), vmod.m.XferConnector(cfg, vmod.Role.WORKER)
     try:
         w.register_kv_caches(caches("packed", 2))
-        s.request_finished(req("p", list(range(8)), {"do_remote_decode": True}, vm=vmod), [0, 1])
+        finished(s, req("p", list(range(8)), {"do_remote_decode": True}, vm=vmod), [0, 1])
         (sending, _), _ = worker_step(w, s.build_connector_meta(None), finished={"p"})
         assert not sending
         sending, _, _ = step_until(w, type(s.build_connector_meta(None))(), want=lambda a, b: "p" in a, limit_s=5)
@@ -263,11 +277,15 @@ def test_vllm_lease_frees_unread_blocks(vmod, store):
 
 def test_vllm_request_finished_edge_cases(vmod, store):
     s = vmod.m.XferConnector(vconfig("kv_producer", "pre-e", store.endpoint), vmod.Role.SCHEDULER)
-    assert s.request_finished(req("a", [1, 2], {"do_remote_decode": True}, vmod.Status.FINISHED_ABORTED, vmod),
-                              [1]) == (False, None)
-    assert s.request_finished(req("b", [1, 2], None, vm=vmod), [1]) == (False, None)
-    assert s.request_finished(req("c", [1, 2], {"do_remote_decode": True}, vm=vmod), []) == (False, None)
+    assert finished(s, req("a", [1, 2], {"do_remote_decode": True}, vmod.Status.FINISHED_ABORTED, vmod),
+                    [1]) == (False, None)
+    assert finished(s, req("b", [1, 2], None, vm=vmod), [1]) == (False, None)
+    assert finished(s, req("c", [1, 2], {"do_remote_decode": True}, vm=vmod), []) == (False, None)
     assert s.build_connector_meta(None).holds == []
+    # a prefill whose only sampled token is end-of-sequence (FINISHED_STOPPED) hands off too, as NIXL does
+    delay, params = finished(s, req("e", [1, 2], {"do_remote_decode": True}, vmod.Status.FINISHED_STOPPED, vmod), [4])
+    assert delay and params["remote_block_ids"] == [4]
+    assert [h.req_id for h in s.build_connector_meta(None).holds] == ["e"]
     with pytest.raises(ValueError, match="one KV cache group"):
         s.request_finished_all_groups(req("d", [1], {}, vm=vmod), ([1], [2]))
     with pytest.raises(ValueError, match="lease_s"):
