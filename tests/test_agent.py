@@ -366,9 +366,9 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
     """Transfers to one peer whose copies ended while a notice was in flight go in one
     ``notify_batch`` message; every transfer still gets its own notification, in order, with its
     payload, and a notice the peer refuses fails only its own transfer."""
-    from xfer.transports.onesided import transport as onesided
+    from xfer.transports import completion
 
-    sizes, real_single, real_batch = [], onesided.notify_peer, onesided.notify_peer_batch
+    sizes, real_single, real_batch = [], completion.notify_peer, completion.notify_peer_batch
 
     def slow_single(job, sender):  # a slow first round trip lets the burst queue up behind it
         time.sleep(0.05)
@@ -379,8 +379,8 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
         sizes.append(len(jobs))
         return real_batch(jobs, sender)
 
-    monkeypatch.setattr(onesided, "notify_peer", slow_single)
-    monkeypatch.setattr(onesided, "notify_peer_batch", batch)
+    monkeypatch.setattr(completion, "notify_peer", slow_single)
+    monkeypatch.setattr(completion, "notify_peer_batch", batch)
     n = pair.la.num_blocks
     ts = [pair.a.write(pair.peer, [i], [n - 1 - i], notify=b"note-%d" % i) for i in range(n)]
     for t in ts:

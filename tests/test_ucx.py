@@ -415,7 +415,7 @@ def test_check_route_and_probe(local, monkeypatch):
 
 
 def test_chunk_plan_bounds_the_staging_footprint():
-    from xfer.transports.ucx.staging import chunk_list, plan_chunks
+    from xfer.transports.chunking import chunk_list, plan_chunks
 
     _, layout = make_kv_cache(KIND, device="meta", **SEED)
     for n, chunk in ((128, 64 << 10), (1, 4096), (256, 1 << 20)):
@@ -891,7 +891,7 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     from types import SimpleNamespace
 
     from xfer.transports.ucx.flow import in_place
-    from xfer.transports.ucx.staging import plan_chunks
+    from xfer.transports.chunking import plan_chunks
 
     dims = {**SEED, "num_heads": 2}  # (with one head the two inner orders are the same bytes)
     layout = make_kv_cache(KIND, **dims)[1]
@@ -1013,7 +1013,7 @@ def test_device_slots_have_their_own_size_and_device_transfers_are_not_cut_below
 
     from xfer.errors import InvalidArgumentError
     from xfer.transports.ucx.protocol import Protocol
-    from xfer.transports.ucx.staging import plan_chunks
+    from xfer.transports.chunking import plan_chunks
 
     st = UcxSettings(chunk_bytes=1 << 20, device_chunk_bytes=64 << 20, slots=8, device_slots=4)
     assert (st.slot_bytes("host"), st.slot_bytes("pinned"), st.slot_bytes("cuda:1")) == (1 << 20, 1 << 20, 64 << 20)

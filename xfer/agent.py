@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .transfer import Notification, Op, Transfer
 from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
+from .transports.incoming import check_request
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 
 __all__ = ["Agent"]
@@ -440,12 +441,9 @@ class Agent:
 
     def _notification(self, sender, entry: dict, payload: bytes) -> Notification:
         """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes."""
-        region = self._regions.get(entry.get("region"))
-        if region is None:
-            raise NotRegisteredError(f"agent {self.name!r} has no region {entry.get('region')!r}")
         op = Op(entry.get("op"))
-        ids = region.layout.check_block_ids(np.asarray(entry.get("blocks"), dtype=np.int64),
-                                            what="notified block ids", unique=op is Op.WRITE)
+        region, ids = check_request(self._regions.get, region=entry.get("region"), op=op, ids=entry.get("blocks"),
+                                    what="notified block ids", agent=f"agent {self.name!r}")
         return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op, region=region.name,
                             blocks=ids, payload=payload)
 

@@ -16,13 +16,15 @@ consecutive numbers ``seq0 .. seq0 + chunks - 1``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import InvalidArgumentError, LayoutError, LayoutMismatchError, NotRegisteredError
+from ...errors import InvalidArgumentError, LayoutError
 from ...layout import KVLayout
+from ...transfer import Op
+from ..chunking import ChunkPlan, plan_blocks
+from ..incoming import check_request
 
 __all__ = ["ROLE_WRITE", "ROLE_READ", "ROLE_NAMES", "DEPTH", "StagingPlan", "ChunkPlan", "plan_chunks",
            "Begin", "ReadRequest", "parse_begin", "parse_read", "parse_member", "parse_abort"]
@@ -67,28 +69,10 @@ class StagingPlan:
         return self.word(peer, role) * self.slot_bytes + (seq % self.depth) * self.chunk_cap
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """``n`` blocks cut into chunks of ``per`` blocks (the last one shorter)."""
-
-    n: int
-    per: int
-
-    @property
-    def chunks(self) -> int:
-        return math.ceil(self.n / self.per)
-
-    def bounds(self, k: int) -> tuple[int, int]:
-        return k * self.per, min(self.n, (k + 1) * self.per)
-
-
 def plan_chunks(n: int, bytes_per_block: int, chunk_cap: int, chunk_bytes: int) -> ChunkPlan:
     """Whole blocks per chunk: as many as fit ``min(chunk_cap, chunk_bytes)``, at least one."""
-    if bytes_per_block > chunk_cap:
-        raise InvalidArgumentError(f"one block is {bytes_per_block} bytes (all layers, K/V) but an NVSHMEM "
-                                   f"staging chunk holds {chunk_cap}; raise NvshmemGroup.staging_bytes to at "
-                                   f"least {2 * DEPTH * bytes_per_block}")
-    return ChunkPlan(n=n, per=max(1, min(chunk_cap, chunk_bytes) // bytes_per_block))
+    return plan_blocks(n, bytes_per_block, chunk_cap, chunk_bytes, "an NVSHMEM staging chunk",
+                       f"; raise NvshmemGroup.staging_bytes to at least {2 * DEPTH * bytes_per_block}")
 
 
 # ---- messages ----------------------------------------------------------------------------------
@@ -152,19 +136,17 @@ class Begin:
     host_id: str
 
 
-def parse_begin(h: dict, *, pe: int, region_lookup, chunk_cap: int) -> tuple[Begin, object]:
+def parse_begin(h: dict, *, pe: int, region_lookup, chunk_cap: int, agent: str = "this agent") -> tuple[Begin, object]:
     """Validate ``nvshmem.begin``; returns the request and the local region it writes into."""
     what = "nvshmem.begin"
-    region = region_lookup(_field(h, "region", str, what))
-    if region is None:
-        raise NotRegisteredError(f"{what}: no region {h.get('region')!r} is registered here")
+    name = _field(h, "region", str, what)
     try:
         sender_layout = KVLayout.from_dict(h.get("layout"))
     except LayoutError as exc:
         raise InvalidArgumentError(f"{what}: the sender's layout is malformed: {exc}") from None
-    sender_layout.check_compatible(region.layout, what="receiver")
-    ids = region.layout.check_block_ids(np.asarray(h.get("blocks"), dtype=np.int64), what="destination block ids",
-                                        unique=True)
+    region, ids = check_request(region_lookup, region=name, op=Op.WRITE, ids=h.get("blocks"),
+                                what="destination block ids", agent=agent, initiator=str(h.get("from")),
+                                sender_layout=sender_layout)
     plan, seq0 = _counts(h, what, ids.size, region.layout.bytes_per_block, chunk_cap)
     begin = Begin(pe=pe, sender=str(h.get("from")), transfer_id=_field(h, "transfer_id", str, what),
                   region=region.name, ids=ids, sender_layout=sender_layout, plan=plan, seq0=seq0,
@@ -190,17 +172,12 @@ class ReadRequest:
     host_id: str
 
 
-def parse_read(h: dict, *, pe: int, region_lookup, chunk_cap: int) -> tuple[ReadRequest, object]:
+def parse_read(h: dict, *, pe: int, region_lookup, chunk_cap: int, agent: str = "this agent") -> tuple[ReadRequest, object]:
     """Validate ``nvshmem.read``; returns the request and the local region it reads from."""
     what = "nvshmem.read"
-    region = region_lookup(_field(h, "region", str, what))
-    if region is None:
-        raise NotRegisteredError(f"{what}: no region {h.get('region')!r} is registered here")
-    fingerprint = h.get("fingerprint")
-    if fingerprint != region.layout.fingerprint_hash():
-        raise LayoutMismatchError(f"{what}: the initiator's layout fingerprint {fingerprint!r} differs from region "
-                                  f"{region.name!r} ({region.layout.fingerprint()})")
-    ids = region.layout.check_block_ids(np.asarray(h.get("blocks"), dtype=np.int64), what="source block ids")
+    region, ids = check_request(region_lookup, region=_field(h, "region", str, what), op=Op.READ, ids=h.get("blocks"),
+                                what="source block ids", agent=agent, initiator=str(h.get("from")),
+                                fingerprint=str(h.get("fingerprint")))
     plan, seq0 = _counts(h, what, ids.size, region.layout.bytes_per_block, chunk_cap)
     req = ReadRequest(pe=pe, initiator=str(h.get("from")), transfer_id=_field(h, "transfer_id", str, what),
                       region=region.name, ids=ids, plan=plan, seq0=seq0, timeout=_timeout(h, what),

@@ -43,7 +43,7 @@ from . import lanes
 from . import proto
 from ..base import Job, LocalRegion, PeerHandle, Transport
 from .items import ReadReceive, Receive, ServeRead, WriteSend
-from ..completion import notify_peer
+from ..completion import complete_notified
 from ..onesided import OneSidedTransport
 
 __all__ = ["NvshmemTransport", "check_group"]
@@ -193,13 +193,8 @@ class NvshmemTransport(Transport):
 
     def _empty(self, job: Job) -> None:
         """No blocks: nothing moves; the peer still hears of the transfer."""
-        t = job.transfer
-        t.begin()
-        try:
-            notify_peer(job, self.ctx.agent_name)
-            t.complete()
-        except XferError as exc:
-            t.fail(exc)
+        job.transfer.begin()
+        complete_notified([job], self.ctx.agent_name)
 
     def member_fields(self) -> dict:
         rt = self.rt
@@ -225,7 +220,8 @@ class NvshmemTransport(Transport):
         rt, kind = self.rt, header.get("type")
         pe = proto.parse_member(header, group=rt.group.name, session=rt.session, size=rt.size)
         if kind == "nvshmem.begin":
-            begin, region = proto.parse_begin(header, pe=pe, region_lookup=self.ctx.region, chunk_cap=rt.plan.chunk_cap)
+            begin, region = proto.parse_begin(header, pe=pe, region_lookup=self.ctx.region, chunk_cap=rt.plan.chunk_cap,
+                                              agent=f"agent {self.ctx.agent_name!r}")
             self._check_local(region)
             lane = rt.lanes.recv(pe, proto.ROLE_WRITE)
             if begin.dead_upto and not lane.abort_upto(begin.dead_upto, TransportError("the sender gave it up"),
@@ -239,7 +235,8 @@ class NvshmemTransport(Transport):
                 raise InvalidArgumentError(f"nvshmem.finish: transfer_id must be a str, got {tid!r}")
             rt.lanes.recv(pe, proto.ROLE_WRITE).finish(tid)
         elif kind == "nvshmem.read":
-            req, region = proto.parse_read(header, pe=pe, region_lookup=self.ctx.region, chunk_cap=rt.plan.chunk_cap)
+            req, region = proto.parse_read(header, pe=pe, region_lookup=self.ctx.region, chunk_cap=rt.plan.chunk_cap,
+                                           agent=f"agent {self.ctx.agent_name!r}")
             self._check_local(region)
             lane = rt.lanes.send(pe, proto.ROLE_READ)
             if req.dead_upto:

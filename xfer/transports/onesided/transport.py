@@ -23,7 +23,8 @@ from ...errors import PeerDisconnectedError, TransportError, XferError
 from ...shm import pid_alive
 from ...transfer import Op
 from ..base import Job, Transport
-from ..completion import notify_peer, notify_peer_batch
+from ..chunking import blocks_per_chunk
+from ..completion import complete_notified
 
 __all__ = ["OneSidedTransport"]
 
@@ -190,7 +191,7 @@ class OneSidedTransport(Transport):
                     break
                 if self._copied(*nxt):
                     batch.append(nxt[0])
-            self._notify(batch)
+            complete_notified(batch, self.ctx.agent_name)
 
     def _batches(self, job: Job) -> bool:
         return bool((job.peer.metadata.transports.get(self.kind.value) or {}).get("notify_batch"))
@@ -217,24 +218,6 @@ class OneSidedTransport(Transport):
         except BaseException as exc:  # noqa: BLE001
             self._fail(job, exc)
             return False
-
-    def _notify(self, batch: list[Job]) -> None:
-        try:
-            if len(batch) == 1:
-                notify_peer(batch[0], self.ctx.agent_name)
-                refused = [None]
-            else:
-                refused = notify_peer_batch(batch, self.ctx.agent_name)
-        except BaseException as exc:  # noqa: BLE001
-            for job in batch:
-                self._fail(job, exc)
-            return
-        for job, error in zip(batch, refused):
-            job.transfer.mark("acked")
-            if error is None:
-                job.transfer.complete()
-            else:
-                self._fail(job, error)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if not isinstance(exc, XferError):  # never leave a transfer hanging on a bug
@@ -269,7 +252,7 @@ class OneSidedTransport(Transport):
             t.path = f"{self.kind.value} (copy: {chosen.value}; {why})"
         stream = self.stream(job)
         if stream is None:  # copies on this thread: chunks let cancel, deadline and peer death stop it
-            per_chunk = max(1, self.ctx.config.chunk_bytes // max(1, job.local.layout.bytes_per_block))
+            per_chunk = blocks_per_chunk(len(src_ids), job.local.layout.bytes_per_block, self.ctx.config.chunk_bytes)
         else:  # queued on a stream, a copy runs on regardless: one launch moves every block
             per_chunk = max(1, len(src_ids))
         event, ready = None, job.ready

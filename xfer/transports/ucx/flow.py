@@ -24,7 +24,8 @@ import numpy as np
 from ...errors import PeerDisconnectedError
 from ...layout import KVLayout
 from ...transfer import Op, Transfer
-from .staging import BlockCopier, Chunk, Slot, host_rows
+from ..chunking import Chunk
+from .staging import BlockCopier, Slot, host_rows
 
 __all__ = ["Flow", "in_place", "peer_in_place"]
 

@@ -7,15 +7,17 @@ import time
 
 import numpy as np
 
-from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError, PeerDisconnectedError,
-                      TransferCancelledError, TransferTimeoutError, XferError)
 from ... import error_codec
+from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, PeerDisconnectedError,
+                       TransferCancelledError, TransferTimeoutError, XferError)
 from ...layout import KVLayout
 from ...transfer import Notification, Op
 from . import wire
 from .conn import Conn
 from .flow import Flow, in_place, peer_in_place
-from .staging import BlockCopier, chunk_list, plan_chunks
+from ..chunking import chunk_list, plan_chunks
+from ..incoming import check_request
+from .staging import BlockCopier
 
 __all__ = ["Protocol"]
 
@@ -249,15 +251,12 @@ class Protocol:
             if ttl <= 0:
                 raise TransferTimeoutError(f"transfer {h.get('tid')} reached this side {late:.3f} s after it was "
                                            f"sent, past its deadline; dropped, no block written")
-            op, region = Op(h.get("op")), self.ctx.region(h.get("region"))
-            if region is None:
-                raise NotRegisteredError(f"agent {self.ctx.agent_name!r} has no region {h.get('region')!r}")
-            region.layout.check_compatible(theirs, what=f"initiator {h.get('from')!r}")
-            if op is Op.READ and h.get("order") != region.layout.inner_order:
-                raise LayoutMismatchError(f"initiator expects block order {h.get('order')!r}, region {region.name!r} "
-                                          f"is {region.layout.inner_order!r} (stale metadata: reconnect)")
+            op = Op(h.get("op"))
             ids, notify = wire.split_ids(binary, int(h.get("n", -1)))
-            ids = region.layout.check_block_ids(ids, what="requested block ids", unique=op is Op.WRITE)
+            region, ids = check_request(self.ctx.region, region=h.get("region"), op=op, ids=ids,
+                                        what="requested block ids", agent=f"agent {self.ctx.agent_name!r}",
+                                        initiator=h.get("from"), sender_layout=theirs,
+                                        order=h.get("order") if op is Op.READ else None)
             chunks = chunk_list(region.layout, ids.size, int(h["bpc"]), int(h["lpc"]))
             biggest = max((c.nbytes for c in chunks), default=0)
             kind = self._pool_kind(region)

@@ -1,5 +1,6 @@
-"""Staging for the UCX transport: chunk plans, the shared slot pools, and the gather/scatter of one
-chunk (a range of blocks x a range of layers) into or out of a slot, on a copy thread.
+"""Staging for the UCX transport: the shared slot pools, and the gather/scatter of one chunk (a
+range of blocks x a range of layers, planned by ``xfer.transports.chunking``) into or out of a
+slot, on a copy thread.
 
 Host regions whose blocks are whole rows of their base tensors (every layout xfer names except
 packed K|V) take one call per chunk each way: the gather is one torch ``index_select`` over a
@@ -19,66 +20,16 @@ import ctypes
 import functools
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ...errors import InvalidArgumentError
 from ...kernels import StagingCopies
 from ...kernels import staging_layout as kernel_staging_layout
 from ...layout import KVLayout
 
-__all__ = ["Chunk", "plan_chunks", "chunk_list", "StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout",
-           "staging_layout", "host_rows"]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Blocks ``ids[b0:b1]`` of layers ``l0:l1``; staged as ``[layers, K, blocks, block bytes]``."""
-
-    seq: int
-    b0: int
-    b1: int
-    l0: int
-    l1: int
-    nbytes: int
-
-
-def plan_chunks(layout: KVLayout, n: int, chunk_bytes: int, min_chunks: int = 1,
-                min_bytes: int = 0) -> tuple[int, int]:
-    """(blocks per chunk, layers per chunk) for ``n`` blocks, each chunk at most ``chunk_bytes``.
-
-    A transfer that fits fewer than ``min_chunks`` slots is still cut into about that many
-    chunks (whole blocks) so that gather, wire and scatter overlap, but not below ``min_bytes``
-    a chunk (each chunk costs a fixed overhead: a message, completions, copy calls).
-    """
-    per_block = layout.bytes_per_block
-    if per_block <= chunk_bytes:
-        want = max(-(-max(n, 1) * per_block // max(min_chunks, 1)), min_bytes)
-        target = min(chunk_bytes, want)
-        return max(1, min(max(n, 1), target // per_block)), layout.num_layers
-    per_layer = layout.num_kv * layout.block_nbytes
-    if per_layer > chunk_bytes:
-        raise InvalidArgumentError(f"one layer of one block is {per_layer} bytes, more than the UCX chunk of "
-                                   f"{chunk_bytes} bytes: raise XFER_UCX_CHUNK_BYTES")
-    return 1, chunk_bytes // per_layer
-
-
-@functools.lru_cache(maxsize=256)
-def chunk_list(layout: KVLayout, n: int, bpc: int, lpc: int) -> tuple[Chunk, ...]:
-    """The chunks of ``n`` blocks at ``bpc`` blocks x ``lpc`` layers a chunk, in send order.
-    Memoized: an engine repeats a few transfer shapes, and building the list costs ~15 us of a
-    lone small transfer's critical path on a cold CPU cache, on each side."""
-    per = layout.num_kv * layout.block_nbytes
-    out = []
-    for b0 in range(0, n, bpc):
-        b1 = min(n, b0 + bpc)
-        for l0 in range(0, layout.num_layers, lpc):
-            l1 = min(layout.num_layers, l0 + lpc)
-            out.append(Chunk(len(out), b0, b1, l0, l1, (b1 - b0) * (l1 - l0) * per))
-    return tuple(out)
+__all__ = ["StagingPool", "Slot", "BlockCopier", "Copier", "sub_layout", "staging_layout", "host_rows"]
 
 
 # Layouts of a chunk, memoized: building one checks every slot (~0.1 ms for 128 slots), and a
