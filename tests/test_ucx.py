@@ -567,10 +567,6 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
     side sends) and a read (the peer sends) of the seed workload land byte-exact, untouched blocks
     still poisoned, and the transfer's path says which way it went."""
     both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K", "XFER_UCX_IOV": "1" if iov == "on" else "0"}
-    from xfer.transports.ucx import io_raw as ucx_iov
-
-    monkeypatch.setattr(ucx_iov, "_sender", None)  # decided afresh under this test's XFER_UCX_IOV
-    monkeypatch.setattr(ucx_iov, "_why_not", None)
     for k, v in both.items():
         monkeypatch.setenv(k, v)
     tensors, layout = make_kv_cache(KIND, **SEED)
@@ -602,19 +598,16 @@ def test_a_failed_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, 
     may still write the blocks: until UCX ends that receive, or, if its end is never heard of,
     after the connection was closed to stop it (``HOLD_S``). The agent then reconnects."""
     both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K"}
-    from xfer.transports.ucx import io_raw as ucx_iov
-    from xfer.transports.ucx import loop as ucx_engine
-    from xfer.transports.ucx.loop import HOLD_S
+    from xfer.transports.ucx import tables
     from xfer.transports.ucx.flow import Flow
+    from xfer.transports.ucx.tables import HOLD_S
 
-    monkeypatch.setattr(ucx_iov, "_sender", None)
-    monkeypatch.setattr(ucx_iov, "_why_not", None)
     for k, v in both.items():
         monkeypatch.setenv(k, v)
     heard, real = [], Flow.landed_in_place
     monkeypatch.setattr(Flow, "landed_in_place", lambda self, slot, err: heard.append((self, slot, err)))
     if ended == "by UCX":  # no closing while the test looks
-        monkeypatch.setattr(ucx_engine, "HOLD_S", 30.0)
+        monkeypatch.setattr(tables, "HOLD_S", 30.0)
     tensors, layout = make_kv_cache(KIND, **SEED)
     poison(tensors)
     with linked(UcxPeer("held", KIND, SEED, seed=15, env=both), {"kv": (tensors, layout)}, me="me") as (agent, name, _):
@@ -624,16 +617,16 @@ def test_a_failed_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, 
         assert "received in place" in t.path
         conn = heard[0][0].conn
         assert t.cancel()
-        wait_until(lambda: engine._held, 5, "the failed flow held")
+        wait_until(engine.flows.held, 5, "the failed flow held")
         if ended == "by UCX":
             time.sleep(0.3)
-            assert engine._held and not conn.dead  # still held: the receive never ended, as far as it knows
+            assert engine.flows.held() and not conn.dead  # still held: the receive never ended, as far as it knows
             engine.call_soon(lambda: [real(*h) for h in heard])
-            wait_until(lambda: not engine._held, 5, "the flow released")
+            wait_until(lambda: not engine.flows.held(), 5, "the flow released")
             assert not conn.dead
         else:  # never heard of: the connection is closed, then the failure reported anyway (logged)
             start = time.monotonic()
-            wait_until(lambda: not engine._held, 4 * HOLD_S + 2, "the flow released")
+            wait_until(lambda: not engine.flows.held(), 4 * HOLD_S + 2, "the flow released")
             assert conn.dead and time.monotonic() - start > 0.5 * HOLD_S
         monkeypatch.setattr(Flow, "landed_in_place", real)
         agent.write(name, [3], [3]).wait()  # the agent is still good (reconnected where it closed)
@@ -836,12 +829,11 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     from types import SimpleNamespace
 
     from xfer.transports.ucx.conn import Conn
-    from xfer.transports.ucx.loop import Engine
+    from xfer.transports.ucx.datapath import DataPath
     from xfer.transports.ucx.protocol import Protocol
 
     deferred = []
-    engine = SimpleNamespace(call_soon=lambda fn, *a: deferred.append((fn, a)), conn_failed=None,
-                             iov=SimpleNamespace(send=lambda *a: pytest.fail("sent on a closed endpoint")))
+    engine = SimpleNamespace(call_soon=lambda fn, *a: deferred.append((fn, a)), conns=SimpleNamespace(fail=None))
     proto = Protocol.__new__(Protocol)
     proto.e = engine
     conn = Conn(None, 3, outgoing=True, name="gone")
@@ -849,7 +841,8 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     assert conn.closed and not conn.dead and len(deferred) == 1  # failing the conn waits for the loop
     ended = []
     flow = SimpleNamespace(conn=conn, tid="t1", key=1, sent=lambda slot, err: ended.append((slot, err)))
-    Engine.send_iov(engine, flow, SimpleNamespace(seq=0), "slot", np.zeros((1, 2), dtype=np.uint64))
+    data = DataPath(engine, SimpleNamespace(send_iov=lambda *a: pytest.fail("sent on a closed endpoint")))
+    data.send_iov(flow, SimpleNamespace(seq=0), "slot", np.zeros((1, 2), dtype=np.uint64))
     assert ended and ended[0][0] == "slot" and isinstance(ended[0][1], PeerDisconnectedError)
 
 
@@ -863,24 +856,27 @@ def test_sends_go_raw_only_on_a_live_endpoint():
     import torch
 
     from xfer.transports.ucx.conn import Conn
-    from xfer.transports.ucx.loop import Engine
+    from xfer.transports.ucx.io_raw import RawIO
+    from xfer.transports.ucx.io_ucxx import UcxxIO
 
-    raw, via_ucxx, tracked = [], [], []
-    engine = SimpleNamespace(
-        iov=SimpleNamespace(send_contig=lambda *a: raw.append(a) or "raw-req"),
-        ucx=SimpleNamespace(Array=lambda b: ("array", b)), u=SimpleNamespace(UCXXTag=lambda t: ("tag", t)),
-        track=lambda req, cb: tracked.append(req))
+    raw, via_ucxx = [], []
+    ucxx = UcxxIO.__new__(UcxxIO)
+    ucxx._array, ucxx._tag = (lambda b: ("array", b)), (lambda t: ("tag", t))
+    io = RawIO(SimpleNamespace(send_contig=lambda *a: raw.append(a) or "raw-req"), SimpleNamespace(handle=1), ucxx,
+               receives_in_place=True)
     conn = Conn(None, 3, outgoing=True, name="peer")
     conn.ep = SimpleNamespace(handle=0xABC, tag_send=lambda arr, tag: via_ucxx.append((arr, tag)) or "ucxx-req")
     buf = np.arange(17, dtype=np.uint8)
-    Engine.tag_send(engine, conn, buf, 5, None)
-    assert raw == [(0xABC, buf.ctypes.data, 17, 5, buf)] and tracked == ["raw-req"] and not via_ucxx
+    assert io.send(conn, buf, 5) == "raw-req"
+    assert raw == [(0xABC, buf.ctypes.data, 17, 5, buf)] and not via_ucxx
     t = torch.zeros(8, dtype=torch.int16)[2:]  # a tensor view: its own address, its bytes
-    Engine.tag_send(engine, conn, t, 6, None)
+    io.send(conn, t, 6)
     assert raw[1] == (0xABC, t.data_ptr(), 12, 6, t) and not via_ucxx
     conn.closed = True
-    Engine.tag_send(engine, conn, buf, 7, None)
-    assert len(raw) == 2 and via_ucxx == [(("array", buf), ("tag", 7))] and tracked[-1] == "ucxx-req"
+    assert io.send(conn, buf, 7) == "ucxx-req"
+    assert len(raw) == 2 and via_ucxx == [(("array", buf), ("tag", 7))]
+    assert (io.name, io.sends_in_place, io.receives_in_place) == ("raw libucp", True, True)
+    assert (UcxxIO.name, UcxxIO.sends_in_place, UcxxIO.receives_in_place) == ("ucxx", False, False)
 
 
 def test_in_place_conditions_and_the_chunk_plan_they_pick():
@@ -899,19 +895,24 @@ def test_in_place_conditions_and_the_chunk_plan_they_pick():
     assert layout.inner_order != other_order.inner_order
     copier = SimpleNamespace(rows=True, layout=layout)
     host, pinned = SimpleNamespace(kind="host"), SimpleNamespace(kind="pinned")
-    eng = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0, iov_recv_min_bytes=0))
+
+    def engine(sends=True, receives=True, **st):
+        return SimpleNamespace(io=SimpleNamespace(sends_in_place=sends, receives_in_place=receives),
+                               settings=SimpleNamespace(**{"iov_min_bytes": 0, "iov_recv_min_bytes": 0, **st}))
+    eng = engine()
     assert in_place(eng, True, copier, host, layout) and in_place(eng, False, copier, host, layout)
     assert not in_place(eng, True, copier, pinned, layout)  # CUDA blocks staged through pinned memory
     assert not in_place(eng, False, copier, host, other_order)  # the sender's order differs
     assert in_place(eng, True, copier, host, other_order)  # a send is in the sender's own order
-    assert not in_place(SimpleNamespace(iov=None, iov_rx=False, settings=eng.settings), True, copier, host, layout)
+    assert not in_place(engine(False, False), True, copier, host, layout)  # ucxx's API: no in-place I/O
+    assert not in_place(engine(True, False), False, copier, host, layout)  # XFER_UCX_IOV_RECV=0
     over = layout.block_nbytes + 1
-    big = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=over, iov_recv_min_bytes=over))
+    big = engine(iov_min_bytes=over, iov_recv_min_bytes=over)
     assert not in_place(big, True, copier, host, layout) and not in_place(big, False, copier, host, layout)
     # the two thresholds apart: small blocks received in place but sent from a slot, and the reverse
-    rx_only = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=over, iov_recv_min_bytes=0))
+    rx_only = engine(iov_min_bytes=over)
     assert not in_place(rx_only, True, copier, host, layout) and in_place(rx_only, False, copier, host, layout)
-    tx_only = SimpleNamespace(iov=object(), iov_rx=True, settings=SimpleNamespace(iov_min_bytes=0, iov_recv_min_bytes=over))
+    tx_only = engine(iov_recv_min_bytes=over)
     assert in_place(tx_only, True, copier, host, layout) and not in_place(tx_only, False, copier, host, layout)
     assert not in_place(eng, True, SimpleNamespace(rows=False, layout=layout), host, layout)
     n, cap = 256, 1 << 40  # slots big enough for anything: the minimum chunk count decides
@@ -1039,7 +1040,9 @@ def test_device_copies_are_polled_until_their_event_completes():
     as the error; device UCX requests are counted in flight until they end (the loop polls then)."""
     from types import SimpleNamespace
 
+    from xfer.transports.ucx.datapath import device_req
     from xfer.transports.ucx.loop import Engine
+    from xfer.transports.ucx.tables import Flows
 
     class Ev:
         def __init__(self, turns, error=None):
@@ -1051,7 +1054,7 @@ def test_device_copies_are_polled_until_their_event_completes():
             self.turns -= 1
             return self.turns < 0
 
-    eng = SimpleNamespace(_reqs=[], _dev_copies=0, _flows={}, _targets={})
+    eng = SimpleNamespace(_reqs=[], _dev_copies=0)
     eng.track = lambda req, cb: Engine.track(eng, req, cb)
     got = []
     Engine.copy_device(eng, lambda: Ev(1), lambda err: got.append(("a", err)))
@@ -1065,14 +1068,17 @@ def test_device_copies_are_polled_until_their_event_completes():
     cuda_err = RuntimeError("CUDA error: an illegal memory access")
     Engine.copy_device(eng, lambda: Ev(5, cuda_err), lambda err: got.append(("d", err)))
     assert Engine._check_reqs(eng) and got[-1] == ("d", cuda_err) and not eng._reqs and eng._dev_copies == 0
-    ended = []
-    flow = SimpleNamespace(dev_reqs=0)
-    cb = Engine.device_req(flow, ended.append)
-    assert flow.dev_reqs == 1 and not Engine._device_reqs(eng)  # not a live flow of this engine
-    eng._targets[(1, 2)] = flow
-    assert Engine._device_reqs(eng)
+    class FakeFlow(SimpleNamespace):  # a flow is hashed by identity, as Flow is
+        __hash__ = object.__hash__
+
+    ended, flows = [], Flows(None)
+    flow = FakeFlow(dev_reqs=0, initiator=False, key=2, sending=True, conn=SimpleNamespace(local_id=1, flows={}))
+    cb = device_req(flow, ended.append)
+    assert flow.dev_reqs == 1 and not flows.device_reqs()  # not a live flow of this engine
+    flows.add(flow)
+    assert flows.device_reqs() and flows.target(1, 2) is flow and flow.conn.flows == {flow: None}
     cb(None)
-    assert flow.dev_reqs == 0 and ended == [None] and not Engine._device_reqs(eng)
+    assert flow.dev_reqs == 0 and ended == [None] and not flows.device_reqs()
 
 
 # ---- GPU: device regions, GPU-direct -------------------------------------------------------------

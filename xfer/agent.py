@@ -79,7 +79,8 @@ class Agent:
         secret = secret_from(config.secret if config.secret is not None else config.settings.secret)
         self._auth = Authenticator(secret) if secret is not None else None
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=host_id(), config=self.config,
-                               log=log, auth=self._auth, region=self._regions.get, deliver=self._deliver)
+                               log=log, auth=self._auth, region=self._regions.get,
+                               regions=lambda: list(self._regions.values()), deliver=self._deliver)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:

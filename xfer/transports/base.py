@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -16,16 +17,53 @@ from ..metadata import AgentMetadata, RegionRecord
 from ..transfer import Op, Transfer
 from . import TransportKind
 
-__all__ = ["Transport", "TransportContext", "LocalRegion", "PeerHandle", "Job", "Selection"]
+__all__ = ["Transport", "TransportContext", "LocalRegion", "RegionState", "PeerHandle", "Job", "Selection"]
 
 
-@dataclass
+class RegionState:
+    """What transports keep for one registered region (copiers, bound copies, staging copies),
+    under keys they choose (their kind first). It lives on the region and dies with it: once the
+    agent deregisters the region, nothing of it is kept anywhere."""
+
+    __slots__ = ("_items", "_lock")
+
+    def __init__(self) -> None:
+        self._items: dict = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key, make: Callable):
+        """The value under ``key``, made by ``make()`` on first use (once, whatever the threads)."""
+        value = self._items.get(key)
+        if value is None:
+            with self._lock:
+                value = self._items.get(key)
+                if value is None:
+                    value = self._items[key] = make()
+        return value
+
+    def drop(self, match: Callable) -> None:
+        """Forget every entry whose key ``match(key)`` accepts (e.g. those of a disconnected peer)."""
+        with self._lock:
+            for key in [k for k in self._items if match(k)]:
+                del self._items[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+@dataclass(eq=False)
 class LocalRegion:
-    """A region this agent registered: its base tensors and layout."""
+    """A region this agent registered: its base tensors and layout, and what transports keep for
+    it (``state``). Compared and hashed by identity."""
 
     name: str
     tensors: list[torch.Tensor]
     layout: KVLayout
+    state: RegionState = field(default_factory=RegionState, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -83,8 +121,9 @@ class TransportContext:
     """What the agent gives a transport.
 
     ``region(name)`` returns a registered local region or None; two-sided transports use it to
-    land incoming blocks. ``deliver(notification)`` hands a completed incoming transfer to the
-    agent (checked block ids, payload); call it only once every byte has landed.
+    land incoming blocks; ``regions()`` lists them. ``deliver(notification)`` hands a completed
+    incoming transfer to the agent (checked block ids, payload); call it only once every byte has
+    landed.
     """
 
     agent_name: str
@@ -94,6 +133,7 @@ class TransportContext:
     log: logging.Logger
     auth: object = None  # xfer.auth.Authenticator: sign (stamp) and check transport messages; None = off
     region: Callable = lambda name: None  # (str) -> LocalRegion | None
+    regions: Callable = lambda: []  # () -> list[LocalRegion]
     deliver: Callable = lambda notification: None  # (Notification) -> None
 
 
@@ -127,7 +167,7 @@ class Transport(ABC):
         return None
 
     def release_region(self, region: LocalRegion) -> None:
-        """Forget what ``export_region`` set up."""
+        """Forget what ``export_region`` set up (``region.state`` goes with the region itself)."""
 
     @abstractmethod
     def check_route(self, local: LocalRegion, peer: PeerHandle, peer_region: RegionRecord, op: Op) -> str | None:

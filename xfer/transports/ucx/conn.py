@@ -38,7 +38,7 @@ class Conn:
         self.closed = False  # UCX reported the endpoint closed (its handle may be gone before ``dead``)
         self.error: Exception | None = None
         self.waiting: list = []
-        self.flows: dict[int, object] = {}
+        self.flows: dict = {}  # live flows on it (an ordered set: flow -> None), kept by Flows
         self.xid = 0
         self.early: dict[int, list] = {}  # xid -> probed chunks that came before their REQ
         self.n_early = 0  # chunks held in ``early``

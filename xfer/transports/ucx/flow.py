@@ -3,8 +3,8 @@
 A flow either *sends* chunks (gather into a slot -> tag send; host blocks: one scatter-gather
 send from the blocks) or *receives* them (a chunk has arrived -> tag receive into a slot ->
 scatter; host blocks: one scatter-gather receive into the blocks), at most ``depth`` chunks
-holding a slot at once, slots taken from a shared pool in round-robin order among flows (see loop for why this
-cannot deadlock). Roles:
+holding a slot at once, slots taken from a shared pool in round-robin order among flows (see
+slots.py for why this cannot deadlock). Roles:
 
     initiator, WRITE   sends from the start (no wait for the target); done on the target's ACK
     target,    WRITE   receives; after the last scatter delivers the notification, sends ACK
@@ -44,16 +44,16 @@ RECV_AHEAD_DEVICE = 2
 
 def in_place(engine, sending: bool, copier: BlockCopier, pool, sender_layout: KVLayout) -> bool:
     """Whether this side's chunks move straight from (``sending``) or into its blocks: host rows,
-    blocks of at least ``iov_min_bytes`` (a send) or ``iov_recv_min_bytes`` (a receive), the raw
-    binding there; a receive also needs the sender's block order (the bytes land as they were
-    laid out)."""
+    blocks of at least ``iov_min_bytes`` (a send) or ``iov_recv_min_bytes`` (a receive), an I/O
+    back end that can (io_raw); a receive also needs the sender's block order (the bytes land as
+    they were laid out)."""
     st = engine.settings
     if not (copier.rows and pool.kind == "host"
             and sender_layout.block_nbytes >= (st.iov_min_bytes if sending else st.iov_recv_min_bytes)):
         return False
     if sending:
-        return getattr(engine, "iov", None) is not None
-    return bool(getattr(engine, "iov_rx", False)) and sender_layout.inner_order == copier.layout.inner_order
+        return engine.io.sends_in_place
+    return engine.io.receives_in_place and sender_layout.inner_order == copier.layout.inner_order
 
 
 def peer_in_place(info: dict, peer_region, peer_sends: bool, sender_layout: KVLayout) -> bool:
@@ -105,7 +105,7 @@ class Flow:
         self.iov = self.sending and in_place(engine, True, copier, pool, sender_layout)
         # receiving into host rows of the sender's block order: each chunk lands straight in the
         # blocks (UCX scatter-gather receive), no slot and no scatter; a failure is then held until
-        # UCX ended the chunk's receive (Engine.fail)
+        # UCX ended the chunk's receive (Flows.fail)
         self.iov_rx = not self.sending and in_place(engine, False, copier, pool, sender_layout)
         self.held = None  # (error, notify_peer) of a failure waiting for in-place receives to end
         self.dev_reqs = 0  # UCX requests on device slots in flight (the engine polls meanwhile)
@@ -114,6 +114,13 @@ class Flow:
         side = "initiator" if self.initiator else "target"
         return (f"Flow(key={self.key}, {side} {self.op.value}, xid={self.xid}, chunks {self.finished_chunks}/"
                 f"{len(self.chunks)}, inflight={self.inflight}, dead={self.dead})")
+
+    def progress(self) -> str:
+        """Where the flow stands, for its timeout message."""
+        pool, n = self.pool, len(self.chunks)
+        what = (f"{self.finished_chunks}/{n} chunks sent, {self.inflight} in flight" if self.sending else
+                f"{self.arrived}/{n} chunks arrived, {self.finished_chunks} landed, {self.inflight} in flight")
+        return f"{what}; staging slots free {len(pool)}/{pool.count}, held by sends {pool.sends}"
 
     def wants_slot(self) -> bool:
         if self.dead or self.inflight >= self.depth:
@@ -148,7 +155,7 @@ class Flow:
         if self.sending:
             ids = self.ids[chunk.b0:chunk.b1]
             if self.iov:
-                self.engine.send_iov(self, chunk, slot, self.copier.iov(ids, chunk.l0, chunk.l1))
+                self.engine.data.send_iov(self, chunk, slot, self.copier.iov(ids, chunk.l0, chunk.l1))
                 return
             view, _ = slot.view(chunk.nbytes)
             if self.copier.stream is not None:  # CUDA region: queued here, its event polled by the engine
@@ -159,28 +166,28 @@ class Flow:
             self.engine.copy(lambda: (self._wait_ready(), self.copier.gather(ids, chunk.l0, chunk.l1, view)),
                              lambda err: self._gathered(chunk, slot, err), chunk.nbytes)
         else:
-            self.engine.recv_chunk(self, chunk, slot, self.pending.popleft())
+            self.engine.data.recv_chunk(self, chunk, slot, self.pending.popleft())
 
     def _gathered(self, chunk: Chunk, slot: Slot, err) -> None:
         if self.dead:
-            self.engine.release(self, slot)
+            self.engine.slots.release(self, slot)
             return
         if err is not None:
-            self.engine.release(self, slot)
-            self.engine.fail(self, err)
+            self.engine.slots.release(self, slot)
+            self.engine.flows.fail(self, err)
             return
         if self.transfer is not None and chunk.seq == 0:
             self.transfer.mark("gathered")  # the first chunk (the pipeline's exposed head)
-        self.engine.send_chunk(self, chunk, slot)
+        self.engine.data.send_chunk(self, chunk, slot)
 
     # ---- chunk completions -------------------------------------------------------------------
     def _chunk_ended(self, slot: Slot, err) -> bool:
         """Free the chunk's slot; True when it counts (the flow lives and the chunk succeeded)."""
-        self.engine.release(self, slot)
+        self.engine.slots.release(self, slot)
         if self.dead:
             return False
         if err is not None:
-            self.engine.fail(self, err)
+            self.engine.flows.fail(self, err)
             return False
         self.finished_chunks += 1
         return True
@@ -193,13 +200,13 @@ class Flow:
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
         self.receiving -= 1
         if self.dead or err is not None:
-            self.engine.release(self, slot)
+            self.engine.slots.release(self, slot)
             if err is not None and not self.dead:
-                self.engine.fail(self, err)
+                self.engine.flows.fail(self, err)
             return
         ids = self.ids[chunk.b0:chunk.b1]
         view, _ = slot.view(chunk.nbytes)
-        self.engine.want(self)  # the next arrived chunk can be received while this one is scattered
+        self.engine.slots.want(self)  # the next arrived chunk can be received while this one is scattered
         if self.copier.stream is not None:  # CUDA region: queued here, its event polled by the engine
             self.engine.copy_device(
                 lambda: self.copier.scatter_async(view, ids, chunk.l0, chunk.l1, self.sender_layout,
@@ -214,14 +221,14 @@ class Flow:
         """A chunk received straight into the blocks ended (``err``: UCX's failure)."""
         self.receiving -= 1
         if self.held is not None:  # failed meanwhile: report it once no receive may still write
-            self.engine.release(self, slot)
+            self.engine.slots.release(self, slot)
             if self.receiving == 0:
-                self.engine.release_held(self)
+                self.engine.flows.release_held(self)
             return
         if self._chunk_ended(slot, err) and self.all_landed():
             if self.transfer is not None:
                 self.transfer.mark("landed")
-            self.engine.landed(self)
+            self.engine.proto.landed(self)
 
     def _wait_ready(self) -> None:
         """On the copy thread, before the first copy touching the local blocks: let the work the
@@ -239,4 +246,4 @@ class Flow:
         if self._chunk_ended(slot, err) and self.all_landed():
             if self.transfer is not None:
                 self.transfer.mark("landed")  # READ: every chunk scattered here; FIN and the ACK follow
-            self.engine.landed(self)
+            self.engine.proto.landed(self)

@@ -24,14 +24,16 @@ __all__ = ["Protocol"]
 
 
 class Protocol:
+    """The control messages of one engine; it reads and changes the engine's tables only through
+    their methods (``engine.conns``, ``engine.flows``, ``engine.slots``, ``engine.data``)."""
+
     def __init__(self, engine):
         self.e = engine
         self.ctx = engine.ctx
-        self._copiers: dict[int, tuple[object, BlockCopier]] = {}
 
     # ---- connections -------------------------------------------------------------------------
     def connect(self, md) -> Conn:
-        conn = self.e._out.get(md.agent_id)
+        conn = self.e.conns.outgoing(md.agent_id)
         if conn is not None and not conn.dead:
             return conn
         info = md.transports.get("ucx") or {}
@@ -41,10 +43,9 @@ class Protocol:
         except Exception as exc:
             raise PeerDisconnectedError(f"cannot reach the UCX listener of {md.name!r} at {address}:{port}: {exc}") \
                 from None
-        conn = Conn(ep, next(self.e._ids), outgoing=True, agent_id=md.agent_id, name=md.name,
+        conn = Conn(ep, self.e.conns.new_id(), outgoing=True, agent_id=md.agent_id, name=md.name,
                     address=f"{address}:{port}")
-        self.e._conns[conn.local_id] = conn
-        self.e._out[md.agent_id] = conn
+        self.e.conns.add(conn)
         self._hello(conn)
         return conn
 
@@ -54,8 +55,8 @@ class Protocol:
         except Exception as exc:  # the peer went away while connecting
             self.e.log.warning("xfer ucx: could not accept a connection: %s", exc)
             return
-        conn = Conn(ep, next(self.e._ids), outgoing=False)
-        self.e._conns[conn.local_id] = conn
+        conn = Conn(ep, self.e.conns.new_id(), outgoing=False)
+        self.e.conns.add(conn)
         self._hello(conn)
 
     def _hello(self, conn: Conn) -> None:
@@ -66,13 +67,13 @@ class Protocol:
 
     def _ep_closed(self, conn: Conn) -> None:  # called by UCX inside progress: defer
         conn.closed = True  # at once: no raw (IOV) send may use the endpoint's handle from now on
-        self.e.call_soon(self.e.conn_failed, conn, PeerDisconnectedError(
+        self.e.call_soon(self.e.conns.fail, conn, PeerDisconnectedError(
             f"UCX endpoint to peer {conn.name or '?'} at {conn.address or '?'} failed (peer died or the link "
             f"is down); its transfers report no block complete"))
 
     def _hello_done(self, conn: Conn, err) -> None:
         if err is not None:
-            self.e.conn_failed(conn, PeerDisconnectedError(
+            self.e.conns.fail(conn, PeerDisconnectedError(
                 f"could not connect to {conn.name or 'peer'} at {conn.address or '?'} over UCX: {err}"))
 
     def _hello_in(self, conn: Conn, err) -> None:
@@ -83,18 +84,16 @@ class Protocol:
         try:
             conn.on_hello()
         except XferError as exc:
-            self.e.conn_failed(conn, exc)
+            self.e.conns.fail(conn, exc)
             return
         waiting, conn.waiting = conn.waiting, []
         for msg in waiting:
             self._send(conn, self._encode(*msg))
-        for flow in list(conn.flows.values()):  # their chunks can be tagged now
-            self.e.want(flow)
+        for flow in list(conn.flows):  # their chunks can be tagged now
+            self.e.slots.want(flow)
 
     def close(self) -> None:
-        for conn in list(self.e._conns.values()):
-            self.e.conn_failed(conn, PeerDisconnectedError("transport closed"))
-        self._copiers.clear()
+        self.e.conns.fail_all(PeerDisconnectedError("transport closed"))
 
     # ---- control messages --------------------------------------------------------------------
     def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
@@ -115,22 +114,22 @@ class Protocol:
     def _send(self, conn: Conn, msg: np.ndarray) -> None:
         def sent(err, msg=msg):  # holds ``msg`` until UCX is done with it
             if err is not None:
-                self.e.conn_failed(conn, PeerDisconnectedError(f"control message to {conn.name!r} failed: {err}"))
-        self.e.tag_send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
+                self.e.conns.fail(conn, PeerDisconnectedError(f"control message to {conn.name!r} failed: {err}"))
+        self.e.data.send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
 
     def on_ctrl_probe(self, conn_id: int, probe) -> None:
         """A probed control message (the engine's probe takes every message): receive it, and
         handle it once it and every control message of its connection probed before it landed."""
         buf = np.empty(max(probe.length, 1), dtype=np.uint8)
-        conn = self.e._conns.get(conn_id)
+        conn = self.e.conns.get(conn_id)
         entry = [buf[:probe.length], None, False]
         if conn is not None and not conn.dead:
             conn.ctrl_in.append(entry)
-        self.e.recv_probed(buf, probe, lambda err: self._ctrl_landed(conn_id, entry, err))
+        self.e.data.recv(buf, probe, lambda err: self._ctrl_landed(conn_id, entry, err))
 
     def _ctrl_landed(self, conn_id: int, entry: list, err) -> None:
         entry[1], entry[2] = err, True
-        conn = self.e._conns.get(conn_id)
+        conn = self.e.conns.get(conn_id)
         if conn is None or conn.dead:
             return
         queue = conn.ctrl_in
@@ -139,7 +138,7 @@ class Protocol:
             self._on_ctrl(conn_id, buf, error)
 
     def _on_ctrl(self, conn_id: int, buf: np.ndarray, err) -> None:
-        conn = self.e._conns.get(conn_id)
+        conn = self.e.conns.get(conn_id)
         if conn is None or conn.dead or err is not None:
             return
         try:
@@ -148,10 +147,10 @@ class Protocol:
                 self.ctx.auth.check(header, binary)
         except AuthenticationError as exc:
             self.ctx.log.warning("ucx: rejected peer %r at %s: %s", conn.name, conn.address or "?", exc)
-            self.e.conn_failed(conn, exc)
+            self.e.conns.fail(conn, exc)
             return
         except (XferError, ValueError) as exc:
-            self.e.conn_failed(conn, PeerDisconnectedError(f"peer {conn.name!r} sent a bad control message: {exc}"))
+            self.e.conns.fail(conn, PeerDisconnectedError(f"peer {conn.name!r} sent a bad control message: {exc}"))
             return
         if kind is wire.Kind.REQ:
             return self._on_req(conn, header, binary)
@@ -159,7 +158,7 @@ class Protocol:
             return self._on_fin(conn, header)
         init_side = kind in (wire.Kind.REFUSE, wire.Kind.ACK) or \
             (kind is wire.Kind.CANCEL and not header.get("init"))
-        flow = self.e._flows.get(header.get("k")) if init_side else self.e._targets.get((conn.local_id, header.get("k")))
+        flow = self.e.flows.initiator(header.get("k")) if init_side else self.e.flows.target(conn.local_id, header.get("k"))
         if flow is None or flow.dead or flow.conn is not conn:
             if kind is wire.Kind.ACK:  # the peer delivered a transfer we already ended (deadline): say so
                 self.ctx.log.warning("ucx: peer %r acknowledged transfer k=%s after it had ended here; the peer "
@@ -167,10 +166,10 @@ class Protocol:
                                      header.get("k"))
             return  # late message of a dropped transfer
         if kind is wire.Kind.REFUSE:
-            self.e.fail(flow, error_codec.decode(header.get("error"), header.get("message"),
+            self.e.flows.fail(flow, error_codec.decode(header.get("error"), header.get("message"),
                                                  f"peer {conn.name!r} refused transfer {flow.tid}"), notify_peer=False)
         elif kind is wire.Kind.ACK:
-            self.e.drop(flow)
+            self.e.flows.drop(flow)
             flow.transfer.complete()
         elif kind is wire.Kind.CANCEL:
             why = header.get("why")  # the peer's reason, by name: its deadline or its caller's cancel stand,
@@ -178,7 +177,7 @@ class Protocol:
             if not issubclass(cls, (TransferTimeoutError, TransferCancelledError)):
                 cls = PeerDisconnectedError
             who = "initiator" if header.get("init") else "target"
-            self.e.fail(flow, cls(f"the {who} {conn.name!r} dropped transfer {flow.tid or flow.key} ({why}); no "
+            self.e.flows.fail(flow, cls(f"the {who} {conn.name!r} dropped transfer {flow.tid or flow.key} ({why}); no "
                                   f"block is reported complete"), notify_peer=False)
 
     # ---- initiator ---------------------------------------------------------------------------
@@ -189,7 +188,7 @@ class Protocol:
         t.mark("started")  # the engine thread took the posted job
         try:
             conn = self.connect(job.peer.metadata)
-            copier, pool = self._copier(job.local), self.e.pool(self._pool_kind(job.local))
+            copier, pool = self._copier(job.local), self.e.slots.pool(self._pool_kind(job.local))
             sender = job.local.layout if job.op is Op.WRITE else job.peer_region.layout
             n = int(job.local_ids.size)
             peer_slot, peer_device = self._peer_slot(job.peer.metadata, job.peer_region)
@@ -205,17 +204,14 @@ class Protocol:
         except XferError as exc:
             t.fail(exc)
             return
-        flow = Flow(self.e, key=next(self.e._keys), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
+        flow = Flow(self.e, key=self.e.flows.new_key(), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
                     copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
                     tid=t.id, region=job.peer_region.name, notify=job.notify, peer_name=job.peer.name)
         flow.ready = job.ready
         flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
-        if not flow.sending:
-            self.e._rx[(conn.local_id, flow.xid)] = flow
         t.path = self.describe(job.local, copier, pool, flow.iov, flow.iov_rx)
         t.begin(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
-        self.e._flows[flow.key] = flow
-        conn.flows[id(flow)] = flow
+        self.e.flows.add(flow)
         header = {"k": flow.key, "op": job.op.value, "region": job.peer_region.name, "n": n, "bpc": bpc, "lpc": lpc,
                   "xid": flow.xid, "deadline": t.deadline, "tid": t.id,
                   "from": self.ctx.agent_name, "order": sender.inner_order}
@@ -226,11 +222,11 @@ class Protocol:
         header["lid"] = lid
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
         t.mark("requested")
-        self.e.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
+        self.e.slots.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
 
     def _cancelled(self, flow: Flow) -> None:
         if not flow.dead:
-            self.e.fail(flow, flow.transfer.error)
+            self.e.flows.fail(flow, flow.transfer.error)
 
     # ---- target ------------------------------------------------------------------------------
     def _on_req(self, conn: Conn, h: dict, binary: bytes) -> None:
@@ -265,26 +261,24 @@ class Protocol:
                     f"initiator's chunks of {biggest} bytes exceed this side's UCX slots of "
                     f"{self.e.settings.slot_bytes(kind)} bytes for {kind} memory (XFER_UCX_CHUNK_BYTES or "
                     f"XFER_UCX_DEVICE_CHUNK_BYTES differs)")
-            copier, pool = self._copier(region), self.e.pool(kind)
+            copier, pool = self._copier(region), self.e.slots.pool(kind)
         except (XferError, ValueError, KeyError, TypeError) as exc:
             name, message = error_codec.encode(exc if isinstance(exc, XferError) else InvalidArgumentError(str(exc)))
             self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": message})
             if fresh:
-                self.e.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
+                self.e.data.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
             return
         flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn,
                     deadline=now + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
                     sender_layout=theirs if op is Op.WRITE else region.layout, chunks=chunks, pool=pool,
                     tid=str(h.get("tid")), region=region.name, notify=notify, peer_name=str(h.get("from")))
         flow.xid = xid
-        self.e._targets[(conn.local_id, key)] = flow
-        conn.flows[id(flow)] = flow
+        self.e.flows.add(flow)
         if op is Op.WRITE:
-            self.e._rx[(conn.local_id, xid)] = flow
-            self.e.adopt_early(conn, xid, flow)
+            self.e.data.adopt_early(conn, xid, flow)
             if not chunks:
                 self.landed(flow)
-        self.e.want(flow)
+        self.e.slots.want(flow)
 
     def _their_layout(self, conn: Conn, h: dict) -> KVLayout:
         """The initiator's layout: described in this REQ (kept under its id), or named by an id an
@@ -310,17 +304,17 @@ class Protocol:
             self.send_ctrl(flow.conn, wire.Kind.FIN, {"k": flow.key})
             return
         if time.monotonic() >= flow.deadline:
-            self.e.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} landed after its deadline"))
+            self.e.flows.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} landed after its deadline"))
             return
-        self.e.drop(flow)
+        self.e.flows.drop(flow)
         self._deliver(flow, Op.WRITE)
         self.send_ctrl(flow.conn, wire.Kind.ACK, {"k": flow.key})
 
     def _on_fin(self, conn: Conn, h: dict) -> None:
-        flow = self.e._targets.get((conn.local_id, h.get("k")))
+        flow = self.e.flows.target(conn.local_id, h.get("k"))
         if flow is None or flow.dead:
             return
-        self.e.drop(flow)
+        self.e.flows.drop(flow)
         self._deliver(flow, Op.READ)
         self.send_ctrl(conn, wire.Kind.ACK, {"k": flow.key})
 
@@ -329,14 +323,10 @@ class Protocol:
                                       blocks=flow.ids, payload=flow.notify))
 
     # ---- memory ------------------------------------------------------------------------------
-    def _copier(self, region) -> BlockCopier:
-        entry = self._copiers.get(id(region))
-        if entry is None or entry[0] is not region:
-            entry = self._copiers[id(region)] = (region, BlockCopier(region.layout, region.tensors))
-        return entry[1]
-
-    def forget(self, region) -> None:
-        self._copiers.pop(id(region), None)
+    @staticmethod
+    def _copier(region) -> BlockCopier:
+        """The region's gathers and scatters (kept on the region: they die with it)."""
+        return region.state.get(("ucx", "copier"), lambda: BlockCopier(region.layout, region.tensors))
 
     @staticmethod
     def _peer_slot(metadata, peer_region) -> tuple[int, bool]:

@@ -5,39 +5,45 @@ into a slot of a staging pool and tag-sends it; the receiver tag-receives into a
 pool and scatters it. Host blocks of at least ``iov_min_bytes`` skip the gather: one UCX
 scatter-gather send straight from the blocks; host blocks of at least ``iov_recv_min_bytes``
 (any, by default) skip the scatter: one scatter-gather receive straight into them, where both
-sides use the same block order and ``iov_recv`` (io_raw.py). Successive chunks overlap (up to ``depth`` in flight per transfer), and
-every transfer, whatever its size, uses at most ``slots`` slots of ``chunk_bytes`` per host
-memory kind (``device_slots`` of ``device_chunk_bytes`` on a GPU). A CUDA region's gathers and
-scatters are queued on its copy stream by the engine, which polls their events. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA on InfiniBand
-with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA support (else CUDA
-blocks are staged through pinned host memory, and ``Transfer.path`` says so).
+sides use the same block order and ``iov_recv`` (io_raw.py). Successive chunks overlap (up to
+``depth`` in flight per transfer), and every transfer, whatever its size, uses at most ``slots``
+slots of ``chunk_bytes`` per host memory kind (``device_slots`` of ``device_chunk_bytes`` on a
+GPU). A CUDA region's gathers and scatters are queued on its copy stream by the engine, which
+polls their events. Chunks above UCX's rendezvous threshold move by rendezvous: zero-copy RDMA
+on InfiniBand with a verbs-enabled UCX, GPU-direct from device staging when UCX has CUDA support
+(else CUDA blocks are staged through pinned host memory, and ``Transfer.path`` says so).
 
 Control: a listener per agent (published in ``info()``); connections from peer metadata, a hello
 that checks the peer's identity; each transfer starts with a request the target validates
 (region, layout fingerprint, block ids) before any byte of its region is read or written (a
 WRITE's chunks follow the request at once and wait, outside any staging slot, until it is
 validated, or are discarded), and ends when the receiving side has landed every byte, delivered
-its notification and acknowledged. Staging slots cannot deadlock (argued in loop.py).
-Deadlines bound every wait; a dead peer or cut link fails the affected transfers (typed errors), and the
-receiving side never delivers a notification for a transfer it dropped. Known gap: when every
-byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap), the
-peer has been notified while the initiator reports TIMED_OUT; the late acknowledgement is logged
-as a warning. This is the two-generals problem (whichever side decides last, a message that can
-be lost decides for the other): no protocol closes it; the blocks are whole (a complete block
-reported failed, never a partial one reported complete), and the soak counts such transfers
-apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold) that arrive
-faster than they are scattered wait in UCX's own unexpected-message buffers (bounded by the
-transfers in flight, not by the staging slots). Wire format: wire.py; progress model and the
-slot argument: loop.py.
+its notification and acknowledged. Staging slots cannot deadlock (argued in slots.py).
+Deadlines bound every wait; a dead peer or cut link fails the affected transfers (typed errors),
+and the receiving side never delivers a notification for a transfer it dropped. Known gap: when
+every byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap),
+the peer has been notified while the initiator reports TIMED_OUT; the late acknowledgement is
+logged as a warning. This is the two-generals problem (whichever side decides last, a message
+that can be lost decides for the other): no protocol closes it; the blocks are whole (a complete
+block reported failed, never a partial one reported complete), and the soak counts such
+transfers apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold)
+that arrive faster than they are scattered wait in UCX's own unexpected-message buffers (bounded
+by the transfers in flight, not by the staging slots).
 
-Settings: :class:`xfer.settings.UcxSettings` (``AgentConfig.settings.ucx``; ``XFER_UCX_*`` variables);
-UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``, ``UCX_MAX_RNDV_RAILS``) apply.
+The package, one concern a file: ``wire`` (format), ``conn`` (a connection), ``tables`` (the
+connection and flow tables), ``flow`` (one transfer), ``slots`` and ``staging`` (slot pools,
+gathers and scatters), ``datapath`` (arrivals and chunk I/O), ``io_raw`` / ``io_ucxx`` (the two
+I/O back ends, one chosen when the engine starts and named in ``info()["io"]``), ``protocol``
+(control messages) and ``loop`` (the engine thread and its progress model).
+
+Settings: :class:`xfer.settings.UcxSettings` (``AgentConfig.settings.ucx``; ``XFER_UCX_*``
+variables); UCX's own ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``,
+``UCX_MAX_RNDV_RAILS``) apply.
 """
 
 from __future__ import annotations
 
 import os
-
 import socket
 
 from ...errors import PeerDisconnectedError, TransportError
@@ -100,15 +106,12 @@ class UcxTransport(Transport):
                 "chunk_bytes": self.settings.chunk_bytes, "device_chunk_bytes": self.settings.device_chunk_bytes,
                 # the block sizes from which this side sends / receives host blocks in place (None:
                 # never): the initiator plans fewer chunks where either side does (protocol)
-                "iov_min_bytes": self.settings.iov_min_bytes if e.iov is not None else None,
-                "iov_recv_min_bytes": self.settings.iov_recv_min_bytes if e.iov_rx else None}
+                "iov_min_bytes": self.settings.iov_min_bytes if e.io.sends_in_place else None,
+                "iov_recv_min_bytes": self.settings.iov_recv_min_bytes if e.io.receives_in_place else None,
+                "io": e.io.name}  # the I/O back end, chosen once (io_raw or io_ucxx)
 
     def export_region(self, region: LocalRegion) -> dict | None:
         return {"device": str(region.device)}
-
-    def release_region(self, region: LocalRegion) -> None:
-        if not self._closed:
-            self._engine.call_soon(lambda: self._engine.proto and self._engine.proto.forget(region))
 
     def check_route(self, local: LocalRegion, peer: PeerHandle, peer_region: RegionRecord, op: Op) -> str | None:
         info = peer.metadata.transports.get(self.kind.value)
@@ -130,9 +133,9 @@ class UcxTransport(Transport):
 
     def disconnect(self, peer_agent_id: str) -> None:
         def drop():
-            conn = self._engine._out.get(peer_agent_id)
+            conn = self._engine.conns.outgoing(peer_agent_id)
             if conn is not None:
-                self._engine.conn_failed(conn, PeerDisconnectedError(
+                self._engine.conns.fail(conn, PeerDisconnectedError(
                     f"peer {conn.name!r} was disconnected (or reconnected with new metadata)"))
         if not self._closed:
             self._engine.call_soon(drop)
