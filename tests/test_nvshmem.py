@@ -27,6 +27,7 @@ from xfer.store import open_store
 from xfer.transports.nvshmem import bootstrap as bootstrap
 from xfer.transports.nvshmem import lanes as nvshmem_lanes
 from xfer.transports.nvshmem import runtime as nvshmem_runtime
+from xfer.transports.nvshmem.signals import SelfSignals
 from xfer.transports.nvshmem import proto as proto
 from xfer.transports.base import TransportContext
 from xfer.transports.nvshmem import NvshmemTransport
@@ -793,7 +794,7 @@ def test_probe_steps_pass_on_the_fake(monkeypatch):
 def test_self_signals_order_a_self_put_by_events():
     """A self put's waits block the lane thread until the setter posted the value's event; a floor
     (own initialisation or drain) releases without one; ``check`` stops a wait; old events age out."""
-    sig = nvshmem_runtime.SelfSignals()
+    sig = SelfSignals()
     key = ("data", 0)
     got = {}
 
@@ -817,10 +818,10 @@ def test_self_signals_order_a_self_put_by_events():
     assert sig.wait(key, 9) is None
     with pytest.raises(TransferTimeoutError):  # the item's check stops a wait that cannot come
         sig.wait(("credit", 0), 1, check=lambda: (_ for _ in ()).throw(TransferTimeoutError("deadline")))
-    for v in range(11, 11 + nvshmem_runtime.SelfSignals.KEEP + 5):
+    for v in range(11, 11 + SelfSignals.KEEP + 5):
         sig.post(key, v, f"e{v}")
     assert sig.wait(key, 11) is None  # dropped long ago: completed
-    assert sig.wait(key, 11 + nvshmem_runtime.SelfSignals.KEEP + 4) == f"e{11 + nvshmem_runtime.SelfSignals.KEEP + 4}"
+    assert sig.wait(key, 11 + SelfSignals.KEEP + 4) == f"e{11 + SelfSignals.KEEP + 4}"
 
 
 @pytest.mark.parametrize("chunk_mib", [None, 0.002])

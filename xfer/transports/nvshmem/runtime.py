@@ -4,11 +4,12 @@ NVSHMEM is per process: one PE of one fixed group, joined collectively. Every ag
 that is configured with the same :class:`~xfer.config.NvshmemGroup` shares the one
 :class:`Runtime` (``acquire`` / ``release``, reference-counted).
 
-Bootstrap: rank 0 makes the unique id and publishes it in the agents' metadata store; the other
-ranks read it (``bootstrap``); every rank calls ``nvshmem.core.init`` on a helper thread,
-bounded by ``init_timeout_s``. Then, collectively and in the same order on every PE, the staging
-areas and signal words (``proto.StagingPlan``) are allocated and zeroed, and a barrier
-ensures no PE signals a peer that has not zeroed its words yet.
+Bootstrap (:mod:`.join`): rank 0 makes the unique id and publishes it in the agents' metadata
+store; the other ranks read it (:mod:`.bootstrap`); every rank calls ``nvshmem.core.init`` on a
+helper thread, bounded by ``init_timeout_s``. Then, collectively and in the same order on every
+PE, the staging areas and signal words (``proto.StagingPlan``) are allocated on the symmetric
+heap (:mod:`.heap`) and zeroed, and a barrier ensures no PE signals a peer that has not zeroed
+its words yet. A PE's signals to itself are ordered by events (:mod:`.signals`).
 
 Interface the lanes use (a CPU stand-in in the tests implements the same): ``pe``, ``size``,
 ``plan``, ``host_id``, ``lanes``, ``bind_thread()``, ``new_stream()``, ``record(stream)`` -> event
@@ -25,8 +26,6 @@ otherwise it leaves the memory to the process exit.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 
@@ -36,9 +35,12 @@ import torch
 from ...errors import InvalidArgumentError, StoreError, TransportError, TransportUnavailableError, XferError
 from ...store import open_store
 from . import bootstrap
+from .join import join
 from .lanes import Lanes
-from .mpg import MpgOps, is_limited_mpg, unmapped
+from .heap import SymmetricHeap
+from .mpg import MpgOps, unmapped
 from .proto import StagingPlan
+from .signals import SelfSignals
 
 __all__ = ["Runtime", "acquire", "release", "CLOSE_TIMEOUT_S"]
 
@@ -101,67 +103,12 @@ def release(rt) -> None:
         _Tried.init = False
 
 
-class SelfSignals:
-    """A PE's signals to itself (two agents of one process: a self put), as CUDA events.
-
-    A stream memory wait (``cuStreamWaitValue64``, NVSHMEM's on-stream wait) is invisible to CUDA's
-    scheduler: the CUDA documentation warns that work it orders must also be ordered by events,
-    else the scheduler may serialise independent streams behind it. Streams share a few hardware
-    queues (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8), so a receiver stream waiting on a word can
-    hold up the sender stream of the same process that would set it. Between two processes
-    there is no such sharing; inside one there is, so a self put orders its chunks by events:
-    the setting side records an event after each value it sets (``post``), the waiting side's lane
-    thread waits on the host until that event exists (checking its deadline: ``check``), then
-    queues ``stream.wait_event``. ``floor`` lifts a word without an event (a lane's own
-    initialisation and drain). Values are waited with ``>=``, as the words are.
-    """
-
-    KEEP = 256  # events kept per word behind the newest; older ones have completed
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._events: dict[tuple, dict[int, object]] = {}
-        self._floor: dict[tuple, int] = {}
-        self._top: dict[tuple, int] = {}
-
-    def post(self, key: tuple, value: int, event) -> None:
-        with self._cond:
-            events = self._events.setdefault(key, {})
-            events[value] = event
-            self._top[key] = max(self._top.get(key, 0), value)
-            for old in [v for v in events if v < value - self.KEEP]:
-                del events[old]
-            self._cond.notify_all()
-
-    def floor(self, key: tuple, value: int) -> None:
-        with self._cond:
-            self._floor[key] = max(self._floor.get(key, 0), value)
-            self._cond.notify_all()
-
-    def wait(self, key: tuple, value: int, check=None, poll: float = 1e-3):
-        """The event to order after for ``word >= value`` (None: nothing to wait for); blocks the
-        calling thread until the setter has posted it, calling ``check()`` (which raises to stop)
-        between polls."""
-        with self._cond:
-            while True:
-                if self._floor.get(key, 0) >= value:
-                    return None
-                events = self._events.get(key, {})
-                if value in events:
-                    return events[value]
-                if self._top.get(key, 0) >= value:  # posted, then dropped as long completed
-                    return None
-                if check is not None:
-                    self._cond.release()
-                    try:
-                        check()
-                    finally:
-                        self._cond.acquire()
-                self._cond.wait(poll)
-
-
 class _Tried:
     init = False  # nvshmem.core.init was called by the runtime being set up
+
+    @classmethod
+    def calling_init(cls) -> None:
+        cls.init = True
 
 
 class Runtime:
@@ -190,9 +137,7 @@ class Runtime:
         self._self = SelfSignals()  # a self put's order, as events (see SelfSignals)
         self._limited_mpg = False
         self.teardown = "open"  # then "finalized: why" or "skipped: why"
-        self._tensors: list[torch.Tensor] = []  # from nvshmem.core.tensor, in allocation order
-        self._externals: list[torch.Tensor] = []  # register_external aliases, in registration order
-        self._ranges: list[tuple[int, int, int]] = []  # (local start, bytes, symmetric start)
+        self.sym = SymmetricHeap(nvc, self.lock, self.pe, self.device)  # what this PE allocated or registered
         self._direct_stream = None
         self._closed = False
         try:
@@ -202,7 +147,9 @@ class Runtime:
                                             f"{exc}") from None
         try:
             with torch.cuda.device(index):
-                self._bootstrap(Device(index))
+                joined = join(self.store, group, host_id, index, Device(index), nvc, nvb, _Tried.calling_init)
+                self.session, self.heap, self.status = joined.session, joined.heap, joined.status
+                self._limited_mpg = joined.limited_mpg
                 self._allocate()
         except BaseException:
             self.store.close()
@@ -215,101 +162,13 @@ class Runtime:
         return (f"Runtime(pe={self.pe}/{self.size}, group={self.group.name!r}, session={self.session}, "
                 f"device={self.device}, {'closed' if self._closed else 'open'})")
 
-    # ---- bootstrap -----------------------------------------------------------------------------
-    def _bootstrap(self, device) -> None:
-        nvc, g, start = self._nvc, self.group, time.monotonic()
-        try:
-            # the session, then every PE's GPU, then the heap setting, and only then NVSHMEM calls:
-            # NVSHMEM reads its settings on the first call (get_unique_id), and they must agree
-            if g.rank == 0:
-                self.session = bootstrap.publish_session(self.store, g)
-            else:
-                self.session = bootstrap.fetch_session(self.store, g, g.init_timeout_s)
-            gpus = bootstrap.exchange_gpus(self.store, g, self.session, self.host_id,
-                                           str(torch.cuda.get_device_properties(self.index).uuid),
-                                           max(1.0, g.init_timeout_s - (time.monotonic() - start)))
-            setting, self.heap = bootstrap.heap_choice(bootstrap.shared_gpus(gpus), os.environ)
-            if setting is not None:
-                os.environ[bootstrap.VMM_ENV] = setting
-            if g.rank == 0:
-                uid = nvc.get_unique_id()
-                bootstrap.publish_uid(self.store, g, self.session, uid._data.view(np.int8).tobytes())
-            else:
-                raw = bootstrap.fetch_uid(self.store, g, self.session,
-                                          max(1.0, g.init_timeout_s - (time.monotonic() - start)))
-                uid = nvc.get_unique_id(empty=True)
-                view = uid._data.view(np.int8)
-                if len(raw) != view.size:
-                    raise TransportUnavailableError(f"NVSHMEM unique id from the store has {len(raw)} bytes, this "
-                                                    f"nvshmem4py expects {view.size}")
-                view[:] = np.frombuffer(raw, dtype=np.int8)
-            bootstrap.mark_joined(self.store, g, self.session)
-        except XferError as exc:
-            if isinstance(exc, TransportUnavailableError):
-                raise
-            raise TransportUnavailableError(f"NVSHMEM group {g.name!r}: store {g.store}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - no libnvshmem_host, a driver error: report, keep the agent
-            raise TransportUnavailableError(f"NVSHMEM unique id failed on rank {g.rank}: {exc!r}") from None
-        failure, done = [], threading.Event()
-
-        def run():
-            try:
-                device.set_current()
-                nvc.init(device=device, uid=uid, rank=g.rank, nranks=g.size, initializer_method="uid")
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                failure.append(exc)
-            finally:
-                done.set()
-
-        _Tried.init = True
-        threading.Thread(target=run, name="xfer-nvshmem-init", daemon=True).start()
-        if not done.wait(max(1.0, g.init_timeout_s - (time.monotonic() - start))):
-            try:
-                n = bootstrap.joined(self.store, g, self.session)
-            except XferError:
-                n = "?"
-            raise TransportUnavailableError(f"NVSHMEM init of group {g.name!r} (rank {g.rank} of {g.size}) did not "
-                                            f"complete within {g.init_timeout_s:g} s; {n} of {g.size} PEs reached init")
-        if failure:
-            raise TransportUnavailableError(f"NVSHMEM init failed on rank {g.rank} of group {g.name!r}: "
-                                            f"{failure[0]!r} (set NVSHMEM_DEBUG=INFO for NVSHMEM's own log)")
-        mine, n = int(self._nvb.my_pe()), int(self._nvb.n_pes())
-        if (mine, n) != (g.rank, g.size):
-            raise TransportUnavailableError(f"NVSHMEM made this process PE {mine} of {n}; configured rank {g.rank} "
-                                            f"of {g.size}")
-        status = int(nvc.init_status())
-        try:
-            self.status = nvc.InitStatus(status).name  # e.g. STATUS_LIMITED_MPG: several PEs share a GPU
-        except ValueError:
-            self.status = str(status)
-        self._limited_mpg = is_limited_mpg(self.status, status)
-        if g.rank == 0:
-            try:  # every PE has read it (init is collective); a later group must not read a stale id
-                bootstrap.forget(self.store, g, self.session)
-            except XferError:
-                pass
-
-    def _sym(self, nbytes: int) -> torch.Tensor:
-        """Collective: ``nbytes`` of symmetric memory as a uint8 tensor (freed by ``close``)."""
-        with self.lock:
-            try:
-                t = self._nvc.tensor((nbytes,), dtype=torch.uint8, except_on_del=False)
-            except Exception as exc:  # noqa: BLE001 - NvshmemError carries no detail
-                raise TransportUnavailableError(
-                    f"nvshmem_malloc of {nbytes} bytes failed on PE {self.pe} ({exc!r}); the symmetric heap is "
-                    f"NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE', '<default 1 GiB>')}, and "
-                    f"{len(self._tensors)} allocations were made before") from None
-        self._tensors.append(t)
-        self._ranges.append((t.data_ptr(), nbytes, t.data_ptr()))
-        return t
-
     def _allocate(self) -> None:
         w = self.plan.words
         with torch.cuda.device(self.index):
-            self.recv = self._sym(self.plan.area_bytes)  # [src, role] slots this PE receives into
-            self.send = self._sym(self.plan.area_bytes)  # [dst, role] slots this PE gathers into
+            self.recv = self.sym.alloc(self.plan.area_bytes)  # [src, role] slots this PE receives into
+            self.send = self.sym.alloc(self.plan.area_bytes)  # [dst, role] slots this PE gathers into
             # uint64 for NVSHMEM; values stay < 2**63; one scratch word last (the MPG self-test)
-            words = self._sym(16 * w + 8).view(torch.int64)
+            words = self.sym.alloc(16 * w + 8).view(torch.int64)
             words.zero_()
             self.data_words, self.credit_words = words[:w], words[w:2 * w]
             stream = torch.cuda.Stream(self.index)
@@ -490,46 +349,15 @@ class Runtime:
     # ---- symmetric KV pools (the direct path) ------------------------------------------------------
     def symmetric_empty(self, shape, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """Collective: an uninitialised tensor on the symmetric heap (same call order on every PE)."""
-        if device is not None and torch.device(device) != self.device:
-            raise InvalidArgumentError(f"symmetric memory of this PE is on {self.device}, asked for {device}")
-        shape = tuple(int(x) for x in shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        with torch.cuda.device(self.index):
-            raw = self._sym(max(nbytes, 1))
-        return raw[:nbytes].view(dtype).view(shape)
+        return self.sym.empty(shape, dtype, device)
 
     def register_external(self, tensors) -> list[torch.Tensor]:
         """Collective: put existing device tensors on the symmetric heap; returns their aliases."""
-        out = []
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.device != self.device or not t.is_contiguous():
-                raise InvalidArgumentError(f"tensor {i} must be a contiguous tensor on {self.device}, got "
-                                           f"{getattr(t, 'device', type(t).__name__)}")
-            nbytes = t.numel() * t.element_size()
-            with torch.cuda.device(self.index), self.lock:
-                try:
-                    alias = self._nvc.register_external_tensor(t)
-                except Exception as exc:  # noqa: BLE001 - reported with what NVSHMEM needs
-                    raise TransportError(f"nvshmem register_external_tensor failed for tensor {i} ({nbytes} bytes at "
-                                         f"{t.data_ptr():#x}): {exc!r}; NVSHMEM registers CUDA VMM allocations "
-                                         f"(e.g. torch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)") from None
-            self._externals.append(alias)
-            self._ranges.append((t.data_ptr(), nbytes, alias.data_ptr()))
-            out.append(alias)
-        return out
+        return self.sym.register(tensors)
 
     def symmetric_offsets(self, tensors, layout) -> list[int] | None:
         """Where each base tensor sits on the symmetric heap (relative to the receive area), or None."""
-        out = []
-        for i, t in enumerate(tensors):
-            p, need = t.data_ptr(), layout.tensor_numel[i] * layout.itemsize
-            for start, nbytes, sym in self._ranges[3:]:  # the first three are the staging areas and words
-                if start <= p and p + need <= start + nbytes:
-                    out.append(sym + (p - start) - self._recv_ptr)
-                    break
-            else:
-                return None
-        return out
+        return self.sym.offsets(tensors, layout, self._recv_ptr)
 
     def peer_views(self, offsets, layout, pe: int) -> list[torch.Tensor] | None:
         """PE ``pe``'s base tensors at ``offsets``, mapped for kernels here; None if not reachable.
@@ -548,7 +376,7 @@ class Runtime:
             if not ptr:
                 return None
             need = layout.tensor_numel[i] * layout.itemsize
-            flat = self._own_bytes(ptr, need)  # this PE's own memory (a put to itself): no foreign Buffer
+            flat = self.sym.own_bytes(ptr, need)  # this PE's own memory (a put to itself): no foreign Buffer
             if flat is None:
                 why = unmapped(ptr, need)
                 if why:  # a kernel storing there would fault and take this process's CUDA context with it
@@ -557,14 +385,6 @@ class Runtime:
                 flat = torch.utils.dlpack.from_dlpack(Buffer.from_handle(ptr=ptr, size=need, mr=mr)).view(torch.uint8)
             views.append(flat.view(layout.dtype))
         return views
-
-    def _own_bytes(self, ptr: int, nbytes: int) -> torch.Tensor | None:
-        for t in self._tensors + self._externals:
-            start = t.data_ptr()
-            if start <= ptr and ptr + nbytes <= start + t.numel() * t.element_size():
-                flat = t.view(-1).view(torch.uint8)
-                return flat[ptr - start:ptr - start + nbytes]
-        return None
 
     def direct_stream(self):
         if self._direct_stream is None:
@@ -583,10 +403,7 @@ class Runtime:
             try:
                 with torch.cuda.device(self.index), self.lock:
                     torch.cuda.synchronize(self.index)
-                    for alias in self._externals:
-                        self._nvc.unregister_external_tensor(alias)
-                    for t in self._tensors:  # allocation order: the same on every PE
-                        self._nvc.free_tensor(t)
+                    self.sym.free()
                     self._nvc.finalize()
                 self.teardown = f"finalized: {why}"
                 log.info("NVSHMEM PE %d of group %r finalized (%s)", self.pe, self.group.name, why)
@@ -595,8 +412,8 @@ class Runtime:
                 log.exception("NVSHMEM PE %d of group %r: teardown failed", self.pe, self.group.name)
         else:
             self.teardown = f"skipped: {why}"
-            _abandoned.extend(self._tensors + self._externals)
+            _abandoned.extend(self.sym.forget())
             log.warning("NVSHMEM PE %d of group %r skipped nvshmem_free/nvshmem_finalize (%s); the memory is "
                         "released when the process exits", self.pe, self.group.name, why)
-        self._tensors, self._externals, self._ranges = [], [], []
+        self.sym.forget()
         self.store.close()

@@ -103,7 +103,6 @@ class NvshmemTransport(Transport):
         self._direct: _DirectPath | None = None
         self._views: dict[tuple[str, str], list | None] = {}
         self._lock = threading.Lock()
-        self._bounds: dict[int, object] = {}  # id(local region) -> its StagingCopies (Runtime.gather/scatter)
 
     def __repr__(self) -> str:
         return f"NvshmemTransport({self.ctx.agent_name!r}, {self.rt!r}, stats={dict(self.stats)})"
@@ -273,20 +272,17 @@ class NvshmemTransport(Transport):
         """
         return self.rt.register_external(tensors)
 
-    def bounds_for(self, region):
-        """``region``'s copies to and from staging positions (``xfer.kernels.StagingCopies``,
-        dropped with the region)."""
+    @staticmethod
+    def bounds_for(region):
+        """``region``'s copies to and from staging positions (``xfer.kernels.StagingCopies``), kept
+        on the region: they die with it."""
         from xfer.kernels import StagingCopies
 
-        with self._lock:
-            if id(region) not in self._bounds:
-                self._bounds[id(region)] = StagingCopies(cap=512)
-            return self._bounds[id(region)]
+        return region.state.get(("nvshmem", "staging"), lambda: StagingCopies(cap=512))
 
     # ---- life cycle ---------------------------------------------------------------------------------
     def release_region(self, region) -> None:
-        with self._lock:
-            self._bounds.pop(id(region), None)
+        region.state.drop(lambda k: k == ("nvshmem", "staging"))
         if self._direct is not None:
             self._direct.release_region(region)
 
@@ -304,5 +300,6 @@ class NvshmemTransport(Transport):
         if self._direct is not None:
             self._direct.close()
         self._views.clear()
-        self._bounds.clear()
+        for region in self.ctx.regions():
+            self.release_region(region)
         nvshmem_runtime.release(self.rt)

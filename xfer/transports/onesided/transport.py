@@ -52,8 +52,9 @@ class OneSidedTransport(Transport):
         super().__init__(ctx)
         self._jobs: queue.Queue = queue.Queue()
         self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
-        # (peer agent id, peer region, id of the local region, op) -> (local region, xfer.kernels.BoundCopy)
-        self._bound: dict[tuple, tuple] = {}
+        # a local region's checked copies to and from a peer region (xfer.kernels.BoundCopy) live on
+        # the local region (its state), under (this kind, peer agent id, peer region, is a write)
+        self._key = self.kind.value
         self._closed = False
         self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
         self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
@@ -99,12 +100,13 @@ class OneSidedTransport(Transport):
     def disconnect(self, peer_agent_id: str) -> None:
         for key in [k for k in self._mapped if k[0] == peer_agent_id]:
             del self._mapped[key]
-        for key in [k for k in self._bound if k[0] == peer_agent_id]:
-            self._bound.pop(key, None)
+        mine = self._key
+        for region in self.ctx.regions():
+            region.state.drop(lambda k: k[0] == mine and k[1] == peer_agent_id)
 
     def release_region(self, region) -> None:
-        for key in [k for k, v in self._bound.items() if v[0] is region]:
-            self._bound.pop(key, None)
+        mine = self._key
+        region.state.drop(lambda k: k[0] == mine)
 
     def close(self) -> None:
         with self._order:  # a launch on a posting thread ends (its job reaches the completer) first
@@ -122,7 +124,8 @@ class OneSidedTransport(Transport):
             if job is not None:
                 job.transfer.fail(TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
-        self._bound.clear()
+        for region in self.ctx.regions():
+            self.release_region(region)
 
     def _peer_tensors(self, job: Job) -> list[torch.Tensor]:
         key = (job.peer.metadata.agent_id, job.peer_region.name)
@@ -226,19 +229,18 @@ class OneSidedTransport(Transport):
 
     def _bound_copy(self, job: Job):
         """The checked copy between the local region and the peer's (mapped once), per direction."""
-        key = (job.peer.metadata.agent_id, job.peer_region.name, id(job.local), job.op)
-        hit = self._bound.get(key)
-        if hit is None or hit[0] is not job.local:
-            from xfer.kernels import BoundCopy
+        write = job.op is Op.WRITE
+        return job.local.state.get((self._key, job.peer.metadata.agent_id, job.peer_region.name, write),
+                                   lambda: self._bind(job, write))
 
-            peer_tensors = self._peer_tensors(job)
-            local, rec = job.local, job.peer_region
-            if job.op is Op.WRITE:
-                bound = BoundCopy(local.layout, local.tensors, rec.layout, peer_tensors)
-            else:
-                bound = BoundCopy(rec.layout, peer_tensors, local.layout, local.tensors)
-            hit = self._bound[key] = (job.local, bound)
-        return hit[1]
+    def _bind(self, job: Job, write: bool):
+        from xfer.kernels import BoundCopy
+
+        peer_tensors = self._peer_tensors(job)
+        local, rec = job.local, job.peer_region
+        if write:
+            return BoundCopy(local.layout, local.tensors, rec.layout, peer_tensors)
+        return BoundCopy(rec.layout, peer_tensors, local.layout, local.tensors)
 
     def _launch(self, job: Job):
         """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
