@@ -3,16 +3,15 @@ from their metadata, then move blocks by id lists. Every transfer ends by its de
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import metadata as md_codec
@@ -20,16 +19,16 @@ from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
 from .error_codec import error_reply
+from .inbox import Inbox
 from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
-                     NotRegisteredError, PeerNotConnectedError, XferError, TransferTimeoutError, TransportUnavailableError)
+                     NotRegisteredError, PeerNotConnectedError, XferError, TransportUnavailableError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
 from .transfer import Notification, Op, Transfer
 from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
-from .transports.incoming import check_request
-from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
+from .transports.base import Job, LocalRegion, PeerHandle, Selection, Transport, TransportContext
 
 __all__ = ["Agent"]
 
@@ -44,6 +43,21 @@ def host_id() -> str:
     except OSError:
         boot = "unknown-boot"
     return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a post to one (peer, region, peer region, direction) needs, resolved and checked once."""
+
+    local: LocalRegion
+    handle: PeerHandle
+    record: RegionRecord
+    src_layout: KVLayout  # the source side's layout (local for a WRITE, the peer's for a READ)
+    dst_layout: KVLayout
+    transport: Transport
+    kind: str  # the transport's name, the transfer's first ``path``
+    cuda: bool  # the local region is CUDA memory (a post records the caller's stream)
+    block_bytes: int  # bytes of one block, all layers and K/V
 
 
 class Agent:
@@ -68,19 +82,18 @@ class Agent:
         self._peers: dict[str, PeerHandle] = {}
         self._clients: dict[str, ControlClient] = {}
         self._routes: dict[tuple, Selection] = {}
-        # (peer, region, peer_region, op) -> what a post needs, its regions resolved, layouts found
-        # compatible and route chosen once; emptied by register, deregister, connect, disconnect
-        self._plans: dict[tuple, tuple] = {}
+        # (peer, region, peer_region, is a write) -> what a post needs, its regions resolved, layouts
+        # found compatible and route chosen once; emptied by register, deregister, connect, disconnect
+        self._plans: dict[tuple, _Plan] = {}
         self._inflight: set[Transfer] = set()
         self._prune_at = 64
-        self._notes: collections.deque[Notification] = collections.deque()
-        self._notes_cond = threading.Condition()
+        self._inbox = Inbox(name, self._regions.get)
         config = self.config
         secret = secret_from(config.secret if config.secret is not None else config.settings.secret)
         self._auth = Authenticator(secret) if secret is not None else None
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=host_id(), config=self.config,
                                log=log, auth=self._auth, region=self._regions.get,
-                               regions=lambda: list(self._regions.values()), deliver=self._deliver)
+                               regions=lambda: list(self._regions.values()), deliver=self._inbox.deliver)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:
@@ -325,39 +338,39 @@ class Agent:
             plan = self._plans.get((peer, region, peer_region, op is Op.WRITE))  # (an enum's hash runs Python)
             if plan is None:
                 plan = self._plan(op, peer, region, peer_region)
-            local, handle, record, src_layout, dst_layout, transport, kind, cuda, block_bytes = plan
-            src_ids = src_layout.check_block_ids(src_blocks, what="source block ids")
-            dst_ids = dst_layout.check_block_ids(dst_blocks, what="destination block ids", unique=True)
+            src_ids = plan.src_layout.check_block_ids(src_blocks, what="source block ids")
+            dst_ids = plan.dst_layout.check_block_ids(dst_blocks, what="destination block ids", unique=True)
             if src_ids.size != dst_ids.size:
                 raise LengthMismatchError(f"{src_ids.size} source block ids but {dst_ids.size} destination block ids")
             local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
             n = len(src_ids)
-            transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * block_bytes,
-                                path=kind, timeout=float(timeout), observer=self.metrics.ended)
+            transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * plan.block_bytes,
+                                path=plan.kind, timeout=float(timeout), observer=self.metrics.ended)
             if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))
             self._inflight.add(transfer)
         ready = None
-        if cuda and after is not None:  # order after what the caller queued
+        if plan.cuda and after is not None:  # order after what the caller queued
             if isinstance(after, torch.cuda.Event):
                 ready = after
             else:
                 ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(local.device))
-        transport.post(Job(transfer=transfer, op=op, local=local, peer=handle, peer_region=record,
-                           local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready))
+                ready.record(torch.cuda.current_stream(plan.local.device))
+        plan.transport.post(Job(transfer=transfer, op=op, local=plan.local, peer=plan.handle, peer_region=plan.record,
+                                local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready))
         return transfer
 
-    def _plan(self, op: Op, peer: str, region: str | None, peer_region: str | None) -> tuple:
+    def _plan(self, op: Op, peer: str, region: str | None, peer_region: str | None) -> _Plan:
         """Resolve a post's regions, check their layouts and choose its route; cached (``_plans``)
         once it all passed: a post to a known pair only checks its block ids."""
         local, handle, record = self._resolve(peer, region, peer_region)
         src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
         src_layout.check_compatible(dst_layout, what="peer" if op is Op.WRITE else "local")
         selection = self._select(local, handle, record, op)
-        plan = (local, handle, record, src_layout, dst_layout, self.transports[selection.kind], selection.kind.value,
-                local.device.type == "cuda", local.layout.bytes_per_block)
+        plan = _Plan(local=local, handle=handle, record=record, src_layout=src_layout, dst_layout=dst_layout,
+                     transport=self.transports[selection.kind], kind=selection.kind.value,
+                     cuda=local.device.type == "cuda", block_bytes=local.layout.bytes_per_block)
         self._plans[(peer, region, peer_region, op is Op.WRITE)] = plan
         return plan
 
@@ -380,78 +393,32 @@ class Agent:
     # ---- passive side ------------------------------------------------------------------------
     def notifications(self, peer: str | None = None) -> list[Notification]:
         """Drain the notifications received so far (from ``peer`` only, if given)."""
-        with self._notes_cond:
-            taken = [n for n in self._notes if peer is None or n.peer == peer]
-            for n in taken:
-                self._notes.remove(n)
-        return taken
+        return self._inbox.take(peer)
 
     def wait_notification(self, timeout: float, *, peer: str | None = None) -> Notification:
         """The next notification (from ``peer``), waiting at most ``timeout`` seconds."""
         self._check_open()
-        end = time.monotonic() + timeout
-        with self._notes_cond:
-            while True:
-                for n in self._notes:
-                    if peer is None or n.peer == peer:
-                        self._notes.remove(n)
-                        return n
-                left = end - time.monotonic()
-                if left <= 0 or self._closed:
-                    break
-                self._notes_cond.wait(left)
+        note = self._inbox.wait(timeout, peer, lambda: self._closed)
         self._check_open()
-        raise TransferTimeoutError(f"agent {self.name!r}: no notification{' from ' + repr(peer) if peer else ''} "
-                                   f"within {timeout:.3f} s")
+        return note
 
     def _handle(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """The control server's handler (its thread): hello, notices and messages, else the
+        transport the message type names (``"<kind>.<what>"``)."""
         kind = header.get("type")
         if kind == "hello":
             return {"ok": True, "agent_id": self.agent_id, "name": self.name}, b""
         if kind == "notify":
-            self._deliver(self._notification(header.get("from"), header, payload))
-            return {"ok": True}, b""
-        if kind == "notify_batch":  # several transfers' notices at once: each stands or fails alone
-            entries = header.get("batch")
-            if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-                raise InvalidArgumentError("notify_batch carries no list of notices")
-            sizes = [e.get("payload_bytes") for e in entries]
-            if not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(payload):
-                raise InvalidArgumentError(f"notify_batch payload sizes {sizes} do not add up to {len(payload)} bytes")
-            notes, failed, off = [], {}, 0
-            for i, (entry, n) in enumerate(zip(entries, sizes)):
-                try:
-                    notes.append(self._notification(header.get("from"), entry, payload[off:off + n]))
-                except XferError as exc:
-                    failed[str(i)] = error_reply(exc)
-                except (TypeError, ValueError) as exc:
-                    failed[str(i)] = error_reply(InvalidArgumentError(f"malformed notice: {exc}"))
-                off += n
-            for note in notes:
-                self._deliver(note)
-            return {"ok": True, "failed": failed}, b""
+            return self._inbox.on_notify(header, payload), b""
+        if kind == "notify_batch":
+            return self._inbox.on_batch(header, payload), b""
         if kind == "message":
-            self._deliver(Notification(peer=str(header.get("from")), transfer_id="", op=Op.MESSAGE, region="",
-                                       blocks=np.zeros(0, dtype=np.int64), payload=payload))
-            return {"ok": True}, b""
+            return self._inbox.on_message(header, payload), b""
         prefix = kind.split(".", 1)[0] if isinstance(kind, str) and "." in kind else None
         for tkind, transport in self.transports.items():
             if tkind.value == prefix:
                 return transport.handle_control(header, payload)
         return error_reply(InvalidArgumentError(f"unknown control message {kind!r}")), b""
-
-    def _notification(self, sender, entry: dict, payload: bytes) -> Notification:
-        """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes."""
-        op = Op(entry.get("op"))
-        region, ids = check_request(self._regions.get, region=entry.get("region"), op=op, ids=entry.get("blocks"),
-                                    what="notified block ids", agent=f"agent {self.name!r}")
-        return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op, region=region.name,
-                            blocks=ids, payload=payload)
-
-    def _deliver(self, note: Notification) -> None:
-        with self._notes_cond:
-            self._notes.append(note)
-            self._notes_cond.notify_all()
 
     # ---- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -468,8 +435,7 @@ class Agent:
         for client in self._clients.values():
             client.close()
         self._server.close()
-        with self._notes_cond:
-            self._notes_cond.notify_all()
+        self._inbox.wake()
         for region in self._regions.values():
             for transport in self.transports.values():
                 transport.release_region(region)
