@@ -17,41 +17,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is a local config
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in engine tests: see the README section Running the engine tests)")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402
-                         VllmConfig)
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
-                                        KVCacheTensor, MLAAttentionSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
+from vllm_harness import (BLOCKS, EOS, POISON, Engine, PrefillProcess, block_bytes, make_config,  # noqa: E402
+                          prefill, request, write_tiny_model)
+from xfer.errors import InvalidArgumentError  # noqa: E402
 from xfer.store import open_store  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-BS, LAYERS, BLOCKS, HEADS, HEAD = 4, 2, 24, 2, 8
-EOS = 255
-POISON = 0x5A
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(
-        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, '
-        '"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, '
-        f'"num_hidden_layers": {LAYERS}, "vocab_size": 256, "max_position_embeddings": 1024, '
-        '"torch_dtype": "float32", "rms_norm_eps": 1e-5}')
-    init_none_hash(sha256)
-    return str(d)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture
@@ -59,107 +38,6 @@ def store():
     s = open_store("tcp://127.0.0.1:0")
     yield s
     s.close()
-
-
-def make_config(model, role, engine_id, store_url, policy="recompute", **extra):
-    cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
-    cache.kv_cache_layout = "LBNHC"
-    return VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32", seed=0),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024,
-                                         is_encoder_decoder=False, enable_chunked_prefill=True),
-        cache_config=cache, device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="XferConnector", kv_connector_module_path="xfer.engine.vllm_connector", kv_role=role,
-            engine_id=engine_id, kv_load_failure_policy=policy,
-            kv_connector_extra_config={"store": store_url, "timeout_s": 5.0, "lease_s": 30.0, **extra}))
-
-
-def kv_cache_config(layout: KVCacheLayout, mla: bool = False) -> KVCacheConfig:
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    spec = (MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16) if mla else
-            FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32))
-    page = spec.page_size_bytes
-    layer_stride, block_stride = (page * BLOCKS, page) if layout.is_layer_compact else (page, page * LAYERS)
-    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_tensors=[
-        KVCacheTensor(size=page * BLOCKS * LAYERS, layers=names, layer_stride=layer_stride, block_stride=block_stride)])
-
-
-class Engine:
-    """One vLLM instance's scheduler + worker-side connector over vLLM-allocated KV tensors."""
-
-    def __init__(self, config: VllmConfig, layout=KVCacheLayout.LBNHC, mla=False):
-        self.kcc = kv_cache_config(layout, mla)
-        config.cache_config.num_gpu_blocks = BLOCKS
-        self.sched = Scheduler(vllm_config=config, kv_cache_config=self.kcc, block_size=BS,
-                               structured_output_manager=StructuredOutputManager(config), log_stats=True)
-        self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), layout, [BS])
-        for t in self.kv.values():
-            t.view(torch.uint8).fill_(POISON)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
-        self.worker.register_kv_caches(self.kv)
-
-    def step(self, forward=None, token=7):
-        """One engine step in the model runner's order; ``forward(req_id, block_ids)`` writes KV."""
-        out = self.sched.schedule()
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        if out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        scheduled = list(out.num_scheduled_tokens)
-        if scheduled:  # a forward: the attention layers call the connector around themselves
-            for name, t in self.kv.items():
-                w.wait_for_layer_load(name)
-                if forward is not None:
-                    for req in out.scheduled_new_reqs:
-                        forward(name, t, req.block_ids[0])
-                w.save_kv_layer(name, t, None)
-        if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        res = w.get_transfer_results(out.finished_req_ids)
-        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                finished_recving=res.finished_recving or None,
-                                invalid_block_ids=w.get_block_ids_with_load_errors())
-        w.clear_connector_metadata()
-        mro = ModelRunnerOutput(req_ids=scheduled, req_id_to_index={r: i for i, r in enumerate(scheduled)},
-                                sampled_token_ids=[[token] for _ in scheduled], kv_connector_output=kvo)
-        outputs = self.sched.update_from_output(out, mro)
-        return out, kvo, [o for eco in outputs.values() for o in eco.outputs]
-
-    def close(self):
-        self.worker.shutdown()
-
-
-def request(rid: str, prompt: list[int], params: dict, max_tokens: int) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens)
-    sp.update_from_generation_config({}, EOS)
-    req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
-                  block_hasher=get_request_block_hasher(BS, sha256))
-    req.kv_transfer_params = params
-    return req
-
-
-def block_bytes(t: torch.Tensor, ids) -> torch.Tensor:
-    return t[torch.as_tensor(ids)].contiguous().view(-1).view(torch.uint8)
-
-
-def random_forward(seed):
-    gen = torch.Generator().manual_seed(seed)
-
-    def forward(name, t, block_ids):
-        for b in block_ids:  # t[b]: one block of one layer, a strided view of vLLM's buffer
-            t[b] = torch.randn(t[b].shape, generator=gen).to(t.dtype)
-    return forward
-
-
-def prefill(p: Engine, prompt, rid="req-1", seed=1):
-    p.sched.add_request(request(rid, prompt, {"do_remote_decode": True}, max_tokens=1))
-    out, _, outs = p.step(forward=random_forward(seed))
-    (o,) = [o for o in outs if o.request_id == rid]
-    params = o.kv_transfer_params
-    assert params and params["do_remote_prefill"] and params["remote_request_id"] == rid
-    return out.scheduled_new_reqs[0].block_ids[0], params
 
 
 def run_decode(d: Engine, prompt, params, rid="dreq-1", limit_s=20.0):
@@ -275,3 +153,148 @@ def test_aborted_prefill_holds_nothing(tiny_model, store):
         assert "r" not in p.sched.requests
     finally:
         p.close()
+
+
+# ---- issue 31: nothing stalls the engine; aborts free blocks at once; strict config; EOS-only ----------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["unknown", "frozen", "frozen_after_connect"])
+def test_frozen_or_unknown_prefill_does_not_stall_other_requests(tiny_model, case):
+    """A prefill instance in its own process hosts the store (the documented set-up). While one
+    decode request's prefill is frozen (SIGSTOP) or unknown, another request on the same decode
+    instance gets a token every engine step; the stuck request's load ends by timeout_s and vLLM
+    recomputes it."""
+    import gc
+    import signal
+
+    port, timeout_s = free_port(), 2.0
+    p = PrefillProcess(tiny_model, "pre-z", port, timeout_s=timeout_s, lease_s=30.0)
+    d = Engine(make_config(tiny_model, "kv_consumer", "dec-z", f"tcp://127.0.0.1:{port}", timeout_s=timeout_s))
+    frozen = False
+    try:
+        if case == "frozen_after_connect":  # a first load connects this decode instance to the prefill
+            first = p.call(op="prefill", rid="warm", start=1, n=10)
+            run_decode(d, list(range(1, 11)), first["params"], rid="dwarm")
+        others = iter(range(10**6))  # a chain of short local requests: one always runs, within the cache
+        other = f"other-{next(others)}"
+        d.sched.add_request(request(other, list(range(50, 58)), None, max_tokens=16))
+        for _ in range(3):
+            d.step()
+        gc.collect()
+        gc.freeze()  # as vLLM's EngineCore does after start-up (freeze_gc_heap): no full-heap GC pauses
+        if case == "unknown":
+            params = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_request_id": "x",
+                      "remote_block_ids": [1, 2, 3], "remote_tp_size": 1, "lease_expires": time.time() + 30}
+        else:
+            params = p.call(op="prefill", rid="r2", start=3, n=10)["params"]
+            os.kill(p.pid, signal.SIGSTOP)
+            frozen = True
+        d.sched.add_request(request("r2", list(range(3, 13)), dict(params), max_tokens=2))
+        worst, worst_at, steps, loaded, invalid = 0.0, 0.0, 0, None, set()
+        start = time.monotonic()
+        end = start + timeout_s + 1.5
+        while time.monotonic() < end or loaded is None:
+            t0 = time.monotonic()
+            out, kvo, outs = d.step()
+            dt = time.monotonic() - t0
+            assert any(o.request_id == other and o.new_token_ids for o in outs), f"step {steps}: no token"
+            if dt > worst:
+                worst, worst_at = dt, t0 - start
+            steps += 1
+            if other not in d.sched.requests:  # finished: the next one runs from the next step
+                other = f"other-{next(others)}"
+                d.sched.add_request(request(other, list(range(50, 58)), None, max_tokens=16))
+            invalid |= kvo.invalid_block_ids
+            loaded = loaded or next((r for r in out.scheduled_new_reqs if r.req_id == "r2"), None)
+            assert time.monotonic() < end + 10, "r2 never came back for recompute"
+            time.sleep(0.002)
+        print(f"{case}: {steps} steps, longest {worst * 1000:.1f} ms ({worst_at:.2f} s in); r2 recomputed from token "
+              f"{loaded.num_computed_tokens}")
+        assert worst < timeout_s / 4, f"an engine step took {worst:.2f} s (timeout_s={timeout_s})"
+        assert invalid and loaded.num_computed_tokens == 0  # the failed load is recomputed
+    finally:
+        gc.unfreeze()
+        if frozen:
+            os.kill(p.pid, signal.SIGCONT)
+        p.stop()
+        d.close()
+
+
+def test_abort_before_scheduling_frees_prefill_blocks_at_once(tiny_model, store):
+    """vLLM aborts a decode request before scheduling it: the prefill frees its blocks within 1 s."""
+    p = Engine(make_config(tiny_model, "kv_producer", "prefill-ab", store.endpoint))
+    d = Engine(make_config(tiny_model, "kv_consumer", "decode-ab", store.endpoint))
+    try:
+        free0 = p.free_blocks()
+        prompt = list(range(4, 16))
+        p_blocks, params = prefill(p, prompt, seed=6)
+        assert p.free_blocks() == free0 - len(p_blocks)
+        d.sched.add_request(request("d-ab", prompt, dict(params), max_tokens=3))
+        d.sched.finish_requests("d-ab", RequestStatus.FINISHED_ABORTED)
+        t0 = time.monotonic()
+        while p.free_blocks() != free0:
+            assert time.monotonic() - t0 < 1.0, "the prefill still holds the aborted request's blocks"
+            d.step()
+            p.step()
+            time.sleep(0.005)
+        assert "req-1" not in p.sched.requests
+    finally:
+        p.close()
+        d.close()
+
+
+def test_abort_while_loading_frees_blocks_at_once(tiny_model, store):
+    """vLLM aborts a decode request whose load runs (WAITING_FOR_REMOTE_KVS): its blocks come back
+    once the load ended, and the prefill frees its blocks, both within 1 s of the abort."""
+    p = Engine(make_config(tiny_model, "kv_producer", "prefill-aw", store.endpoint))
+    d = Engine(make_config(tiny_model, "kv_consumer", "decode-aw", store.endpoint))
+    try:
+        p_free0, d_free0 = p.free_blocks(), d.free_blocks()
+        prompt = list(range(7, 19))
+        _, params = prefill(p, prompt, seed=8)
+        d.sched.add_request(request("d-aw", prompt, dict(params), max_tokens=3))
+        d.step()  # scheduled: blocks allocated, the load started
+        assert d.sched.requests["d-aw"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert d.free_blocks() < d_free0
+        d.sched.finish_requests("d-aw", RequestStatus.FINISHED_ABORTED)
+        t0 = time.monotonic()
+        while p.free_blocks() != p_free0 or d.free_blocks() != d_free0 or "d-aw" in d.sched.requests:
+            assert time.monotonic() - t0 < 1.0, (p.free_blocks(), p_free0, d.free_blocks(), d_free0)
+            d.step()
+            p.step()
+            time.sleep(0.005)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_prefill_ending_on_eos_hands_off(tiny_model, store):
+    """A prefill whose only sampled token is end-of-sequence (FINISHED_STOPPED) hands off, as NIXL does."""
+    p = Engine(make_config(tiny_model, "kv_producer", "prefill-eos", store.endpoint))
+    d = Engine(make_config(tiny_model, "kv_consumer", "decode-eos", store.endpoint))
+    try:
+        prompt = list(range(9, 21))
+        p_blocks, params = prefill(p, prompt, seed=9, token=EOS)
+        loaded, invalid = run_decode(d, prompt, params, rid="d-eos")
+        assert not invalid and loaded.num_computed_tokens == len(prompt) - 1
+        d_blocks = d.sched.kv_cache_manager.get_block_ids("d-eos")[0][:len(p_blocks)]
+        for name in p.kv:
+            assert torch.equal(block_bytes(p.kv[name], p_blocks), block_bytes(d.kv[name], d_blocks)), name
+    finally:
+        p.close()
+        d.close()
+
+
+def test_unknown_extra_config_key_fails_at_startup(tiny_model, store):
+    with pytest.raises(InvalidArgumentError, match=r"unknown keys \['timeout'\].*timeout_s"):
+        Engine(make_config(tiny_model, "kv_consumer", "decode-typo", store.endpoint, timeout=5))
+    e = Engine(make_config(tiny_model, "kv_consumer", "decode-str", store.endpoint, load_async="false"))
+    try:
+        assert e.worker.settings.load_async is False
+    finally:
+        e.close()

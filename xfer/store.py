@@ -272,24 +272,19 @@ class TCPStoreBackend(MetadataStore):
         value = self._client().compare_set(key, self._MISSING, self._MISSING)
         return None if value == self._MISSING else value
 
-    def _wait_get(self, key: str, timeout: float) -> bytes | None:
-        from torch.distributed import DistStoreError
+    _POLL_S = (0.002, 0.05)  # first and longest pause between reads while waiting for a key
 
+    def _wait_get(self, key: str, timeout: float) -> bytes | None:
+        # Polls with compare_set (one short round trip each; other threads' calls interleave) rather
+        # than TCPStore.wait, which holds a connection (a clone per waiting call) for the whole wait.
         deadline = time.monotonic() + timeout
-        waiter = None
-        while (value := self._try_get(key)) is None:  # loops again if deleted between wait and read
+        pause = self._POLL_S[0]
+        while (value := self._try_get(key)) is None:  # loops again if deleted between reads
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            # A TCPStore client holds its one connection through a whole wait, which would stall
-            # every other thread using this store: wait on a clone (its own connection).
-            waiter = waiter or self._client().clone()
-            try:
-                waiter.wait([key], timedelta(seconds=remaining))
-            except DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
-                return None
+            time.sleep(min(pause, remaining))
+            pause = min(2 * pause, self._POLL_S[1])
         return value
 
     def _delete(self, key: str) -> bool:
