@@ -39,7 +39,6 @@ import functools
 import json
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -263,52 +262,66 @@ def select_path(src_tensors: Sequence[torch.Tensor], dst_tensors: Sequence[torch
 class _Side:
     """One side's tensors, checked by ``layout.check_tensors``, with their slot addresses."""
 
-    __slots__ = ("tensors", "refs", "ptrs", "addresses", "spans", "where", "pairs", "cached", "__weakref__")
+    __slots__ = ("layout", "tensors", "ptrs", "addresses", "spans", "where", "pairs", "cached", "__weakref__")
 
     def __init__(self, layout: KVLayout, tensors: list[torch.Tensor]) -> None:
+        self.layout = layout
         self.tensors = layout.check_tensors(tensors)
-        self.refs = [weakref.ref(t) for t in self.tensors]
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.addresses = slot_addresses(layout, self.tensors)
         self.spans = tensor_spans(layout, self.tensors)
         self.where = _where(self.tensors)
         self.pairs: dict = {}  # per destination side: copy.PairTables (GPU kernel tables), host views
-        self.cached = False  # kept in _SIDES (a cache, not a per-call staging buffer)
+        self.cached = False  # kept by _RECENT (a cache, not a per-call staging buffer)
+
+    def same(self, layout: KVLayout, tensors: list[torch.Tensor]) -> bool:
+        """Whether this side is ``layout`` over the very same tensor objects (by identity), still at
+        the addresses it checked."""
+        mine = self.tensors
+        return (len(mine) == len(tensors) and mine[0] is tensors[0] and (self.layout is layout or self.layout == layout)
+                and all(a is b for a, b in zip(mine, tensors)) and self.ptrs == [t.data_ptr() for t in tensors])
 
 
-_SIDES: OrderedDict[tuple, _Side] = OrderedDict()
-_SIDES_LOCK = threading.Lock()  # copies may run on worker threads
-_MAX_SIDES = 32
+class _RecentSides:
+    """The sides functional copies (``copy_blocks`` and its wrappers) checked last, newest last, at
+    most ``cap``: a call naming the same layout over the same tensor objects (compared by
+    identity, never by ``id()``) reuses the checks (``check_tensors`` over 100+ tensors costs
+    ~0.5 ms). Readers scan an immutable tuple; writers replace it under a lock (copies may run on
+    worker threads). A kept side holds its tensors, as any cache of them must, until ``cap`` newer
+    ones push it out."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self._sides, self._lock = cap, (), threading.Lock()
+
+    def get(self, layout: KVLayout, tensors: list[torch.Tensor]) -> _Side | None:
+        for side in reversed(self._sides):
+            if side.same(layout, tensors):
+                return side
+        return None
+
+    def add(self, side: _Side) -> None:
+        with self._lock:
+            self._sides = (*self._sides[-(self.cap - 1):], side)
+
+    def __len__(self) -> int:
+        return len(self._sides)
+
+
+_RECENT = _RecentSides(cap=32)
 
 
 def _side(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> _Side:
-    """Check a side once per (layout, tensor objects): ``check_tensors`` over 100+ tensors costs
-    ~0.5 ms; a repeat call only confirms the same tensors still sit at the same addresses.
-
-    A cached side holds weak references whose callbacks drop it the moment any of its tensors
-    dies, so a key hit (layout, ids of the tensor objects) names the very same live objects: ids
-    are unique among live objects."""
+    """Check a side once per (layout, tensor objects); a repeat call only confirms the same tensors
+    still sit at the same addresses (``_RecentSides``)."""
     tensors = list(tensors)
-    key = (layout, tuple(map(id, tensors)))
-    side = _SIDES.get(key)
-    if side is not None and side.ptrs == [t.data_ptr() for t in tensors]:
+    side = _RECENT.get(layout, tensors)
+    if side is not None:
         return side
     side = _Side(layout, tensors)
     if len(tensors) > 2:  # caches, not per-call staging buffers
-        forget = functools.partial(_forget_side, key)
-        side.refs = [weakref.ref(t, forget) for t in tensors]
         side.cached = True
-        with _SIDES_LOCK:
-            _SIDES[key] = side
-            if len(_SIDES) > _MAX_SIDES:
-                _SIDES.popitem(last=False)  # the oldest checked (a hit does not refresh it: cheap enough)
+        _RECENT.add(side)
     return side
-
-
-def _forget_side(key, _ref) -> None:
-    # a weakref callback may run inside any allocation, even one made under _SIDES_LOCK: no lock
-    # here (a dict pop is atomic under the GIL)
-    _SIDES.pop(key, None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,6 +338,7 @@ class _KeepAliveEvent(torch.cuda.Event):
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS_LOCK = threading.Lock()
 
 
 def _batch_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream | None:
@@ -333,7 +347,7 @@ def _batch_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream | None:
         return None
     index = stream.device.index
     if index not in _SIDE_STREAMS:
-        with _SIDES_LOCK:
+        with _STREAMS_LOCK:
             _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=stream.device))
     return _SIDE_STREAMS[index]
 

@@ -1048,3 +1048,27 @@ def test_gpu_copy_calibrate_quick(tmp_path):
     assert {c["scenario"] for c in res["cases"]} == {"d2d", "d2h", "h2d"}
     set_copy_table(json.loads(out.read_text())["table"], source=str(out))
     set_copy_table(None)
+
+
+def test_functional_copies_reuse_a_sides_checks_only_for_the_same_tensor_objects(torch_path):
+    """copy_blocks remembers a cache's checked side by the identity of its tensor objects (never by
+    ``id()``, which a new tensor may reuse): the same objects hit; equal-looking new objects, or
+    the same objects in another order, are checked afresh; the memory keeps the newest 32; bytes
+    move right either way."""
+    from xfer.kernels import _dispatch as d
+
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3)  # one tensor a layer
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3, fill="poison")
+    assert len(src) > 2  # a cache: remembered (per-call staging buffers are not)
+    first = d._side(sl, src)
+    assert d._side(sl, src) is first and d._side(sl, tuple(src)) is first
+    assert d._side(sl, [src[1], src[0], src[2]]) is not first
+    views = [src[0], *(t.view(t.shape) for t in src[1:])]  # new objects over the same bytes: not the same
+    assert d._side(sl, views) is not first
+    clones = [t.clone() for t in src]
+    assert d._side(sl, clones) is not first
+    for _ in range(d._RECENT.cap):
+        d._side(sl, [t.clone() for t in src])
+    assert len(d._RECENT) == d._RECENT.cap and d._side(sl, src) is not first  # pushed out, checked anew
+    copy_blocks(sl, src, [3, 1], dl, dst, [0, 2])
+    check_moved(sl, src, [3, 1], dl, dst, [0, 2])
