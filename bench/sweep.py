@@ -9,24 +9,21 @@ measured once for the workload, on the same bytes.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from xfer.agent import host_id  # noqa: F401  (the agent's rule; re-exported for the bench modules)
-
-from xfer import Agent, AgentConfig, TransportKind, make_kv_cache
+from xfer import Agent, make_kv_cache
 from xfer.errors import PeerDisconnectedError, TransportUnavailableError, XferError
 
 from . import measure
+from .agents import agent_config, host_id
 from .errors import BenchError, Exit
 from .presets import Workload, fmt_bytes
 from .target import block_digests
 
-__all__ = ["Plan", "BASELINES", "agent_config", "host_id", "Initiator"]
+__all__ = ["Plan", "BASELINES", "Initiator"]
 
 # name -> what it measures; "auto" picks copy, per-layer, per-slice, plus tcp for a ucx route or
 # another host, plus nccl when both sides hold distinct GPUs
@@ -56,31 +53,6 @@ class Plan:
     @property
     def steps(self) -> int:
         return len(self.workloads) * (3 * len(self.transports) * len(self.chunks) + 4)
-
-
-@contextlib.contextmanager
-def _env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def agent_config(transport: str, chunk_bytes: int | None, bind: str, timeout_s: float):
-    """(AgentConfig, a context to construct the Agent in) for one run. A pinned transport is the
-    only one started; the UCX chunk size is read from the environment when the transport starts."""
-    pin = None if transport == "auto" else TransportKind(transport)
-    kw: dict = dict(listen_host=bind, default_timeout_s=timeout_s, transport=pin, enable=None if pin is None else (pin,))
-    if chunk_bytes:
-        kw["chunk_bytes"] = chunk_bytes
-    env = _env({"XFER_UCX_CHUNK_BYTES": str(chunk_bytes)}) if chunk_bytes else contextlib.nullcontext()
-    return AgentConfig(**kw), env
 
 
 class Initiator:
@@ -136,9 +108,8 @@ class Initiator:
     def _agent(self, transport: str, chunk: int | None, tensors, layout, timeout_s: float) -> Agent:
         key = (transport, chunk)
         if key not in self.agents:
-            cfg, env = agent_config(transport, chunk, self.bind, timeout_s)
-            with env:
-                self.agents[key] = Agent(f"xfer-bench-initiator-{len(self.agents)}", cfg)
+            self.agents[key] = Agent(f"xfer-bench-initiator-{len(self.agents)}",
+                                     agent_config(transport, chunk, self.bind, timeout_s))
         agent = self.agents[key]
         # the registered cache itself, not its id(): a later workload's list can reuse a freed one's
         # id, and the agent would then keep the previous workload's region and layout

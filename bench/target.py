@@ -212,13 +212,12 @@ class TargetServer:
     def _agent(self, transport: str, chunk_bytes: int | None, timeout_s: float):
         from xfer import Agent
 
-        from .sweep import agent_config
+        from .agents import agent_config
 
         key = (transport, chunk_bytes)
         if key not in self.agents:
-            cfg, env = agent_config(transport, chunk_bytes, self.bind, timeout_s)
-            with env:
-                self.agents[key] = Agent(f"xfer-bench-target-{len(self.agents)}", cfg)
+            self.agents[key] = Agent(f"xfer-bench-target-{len(self.agents)}",
+                                     agent_config(transport, chunk_bytes, self.bind, timeout_s))
         return self.agents[key]
 
     def _drop_region(self) -> None:
@@ -246,8 +245,9 @@ def serve(store, device: torch.device, bind: str, idle_timeout: float, log) -> i
     from .errors import BenchError, Exit
     from .remote import TARGET_KEY
 
+    from .agents import host_id
+
     server = TargetServer(store, device, bind)
-    from .sweep import host_id
 
     info = {"host": socket.gethostname(), "host_id": host_id(), "pid": os.getpid(), "bind": bind, "torch": torch.__version__,
             "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0, **describe_device(device)}

@@ -232,7 +232,7 @@ def serve(bind: str, device: str) -> None:
                 torch.cuda.synchronize(dev)
             reply(ok=True)
         elif op == "check":
-            from bench.target import block_digests, untouched
+            from xfer.bench.target import block_digests, untouched
 
             ids = cmd["ids"]
             if cuda:
@@ -314,7 +314,7 @@ class Server:
 
 # ---- client side ---------------------------------------------------------------------------------
 def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, device: str = "cpu") -> dict:
-    from bench.target import block_digests
+    from xfer.bench.target import block_digests
     from xfer import Agent, AgentConfig, make_kv_cache
     from xfer.metadata import decode
 

@@ -1,7 +1,7 @@
 """pytest-benchmark of the UCX transport: xfer ``write`` between two processes on loopback, beside
 the same-bytes contiguous TCP send measured in the same session.
 
-    OMP_NUM_THREADS=1 python -m pytest bench/test_bench_ucx.py --benchmark-columns=median,ops
+    OMP_NUM_THREADS=1 python -m pytest tests/test_bench_ucx.py --benchmark-columns=median,ops
 
 Cases as in bench/ucx_bench.py (the 512 MiB seed case only with ``-m slow``). Each benchmark checks
 the destination bytes first; ``extra_info`` carries GB/s and the ratio to the TCP ceiling.
@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
-from bench.target import block_digests  # noqa: E402
-from bench.ucx_bench import CASES, KIND, Server, dims_of, ids_of  # noqa: E402
+from xfer.bench.target import block_digests  # noqa: E402
+from xfer.bench.ucx_bench import CASES, KIND, Server, dims_of, ids_of  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
 os.environ.setdefault("UCX_TLS", "tcp")

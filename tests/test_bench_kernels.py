@@ -1,6 +1,6 @@
 """pytest-benchmark of the block-copy kernels on the seed case (CUDA only).
 
-    python -m pytest bench/test_bench_kernels.py --benchmark-columns=median,ops
+    python -m pytest tests/test_bench_kernels.py --benchmark-columns=median,ops
 
 64 layers x K/V x 128 of 256 blocks x 32 KiB slices (512 MiB a call). Each benchmark checks the
 bytes against the torch reference first; ``extra_info`` carries GB/s and the ratio to the
