@@ -1,20 +1,30 @@
-"""SGLang PD-disaggregation transfer backend backed by xfer: KVManager, KVSender, KVReceiver and
-bootstrap server implementing ``sglang.srt.disaggregation.base.conn``.
+"""SGLang PD-disaggregation transfer backend backed by xfer: KVManager and bootstrap server
+implementing ``sglang.srt.disaggregation.base.conn`` (sender and receiver: ``sglang_rooms``).
 
 SGLang picks a backend from a closed enum (``--disaggregation-transfer-backend``): see
 ``xfer.engine.sglang_plugin`` for how xfer takes the place of one of its values.
 
 Protocol (decode-driven, as SGLang's own backends): the prefill bootstrap server hosts an xfer
 metadata store; prefill ranks publish their agents and a record (TP size, heads, page size). A
-decode rank's receiver finds the prefill ranks that hold its kv heads, publishes its own agent,
-and sends each one a ``want`` (room, destination pages, aux row, head range). The prefill
-sender writes each chunk SGLang hands it straight into those pages, one xfer write per layer,
-then the aux (first-token metadata) row, and reports ``done`` (or the failure) per room.
-Every transfer has a deadline; a peer that never answers ends in ``KVPoll.Failed``.
+decode rank finds the prefill ranks that hold its kv heads, publishes its own agent, and sends
+each one a ``want`` (room, destination pages, aux row, head range). The prefill sender writes
+each chunk SGLang hands it straight into those pages, one xfer write per layer, then the aux
+(first-token metadata) row, and reports ``done`` (or the failure) per room. A decode abort sends
+``abort``: the prefill stops writing into that room's pages and reports it failed.
+
+Never stalls SGLang's scheduler loop: store look-ups, connects, and every message run on the
+manager's ``Background`` threads; the queue-facing calls (``try_ensure_parallel_info``, ``init``,
+``send_metadata``, ``send``, ``poll``, ``abort``) only post and poll. One deadline,
+``TIMEOUT_S`` (``XFER_SGLANG_TIMEOUT_S``, 30 s), bounds every network step: the bootstrap
+look-up, each connect, each message, each layer transfer, and each liveness probe of a prefill
+rank a decode request waits on (so a dead, frozen or unknown prefill fails the request within
+about ``TIMEOUT_S``). How long a live prefill may take to compute is SGLang's own
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` / ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -22,44 +32,40 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver,
-                                                 BaseKVSender, KVPoll)
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, BaseKVManager
 
 from xfer import KVLayout
-from xfer.errors import XferError
+from xfer.errors import LayoutError, XferError
 from xfer.store import open_store
 from xfer.transfer import Op
 
-from .kvlink import KVLink, LinkConfig, TransferGroup, head_plan, rank_heads, readers_of, tensor_from_ptr
+from .background import Background
+from .kvlink import KVLink, LinkConfig, head_plan, rank_heads, tensor_from_ptr
 
 __all__ = ["XferKVManager", "XferKVSender", "XferKVReceiver", "XferKVBootstrapServer", "XferTransferError",
-           "CLASSES"]
+           "PrefillInfo", "CLASSES"]
 
 log = logging.getLogger("xfer.engine.sglang")
 
-TIMEOUT_S = float(os.environ.get("XFER_SGLANG_TIMEOUT_S", "30"))  # per transfer, and per handshake step
+TIMEOUT_S = float(os.environ.get("XFER_SGLANG_TIMEOUT_S", "30"))  # every network step (see the module doc)
 _TRANSPORTS = tuple(os.environ["XFER_SGLANG_TRANSPORTS"].split(",")) if os.environ.get("XFER_SGLANG_TRANSPORTS") \
     else None  # e.g. "local,ucx": start only these xfer transports
-BOOTSTRAP_TIMEOUT_S = float(os.environ.get("XFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "300"))  # sender waiting for D
+_FAILED_INFO_S = 1.0  # a failed bootstrap look-up fails the requests of the next second, then is retried
 
 
-class XferTransferError(RuntimeError):
-    """What ``failure_exception`` raises: the room and every reason it failed."""
+def sglang_wait_s(name: str, default: float = 300.0) -> float:
+    """SGLang's own disaggregation timeout ``name`` (``SGLANG_DISAGGREGATION_*``), or ``default``."""
+    try:
+        from sglang.srt.environ import envs
+        return float(getattr(envs, name).get())
+    except Exception:  # older SGLang, or a stand-in in tests
+        return default
 
 
 def _mode(mode) -> str:
     return str(getattr(mode, "value", mode)).lower()
-
-
-def _metric(**kw):
-    try:
-        from sglang.srt.disaggregation.base.conn import KVTransferMetric
-        return KVTransferMetric(**kw)
-    except ImportError:  # older SGLang: no metrics
-        return None
 
 
 # ---- memory: SGLang's (ptr, len, item_len) lists as xfer layouts ------------------------------------
@@ -93,6 +99,20 @@ def _layers_from_args(args, is_mla: bool, device) -> tuple[list[list[torch.Tenso
 
 
 @dataclass
+class PrefillInfo:
+    """A prefill bootstrap address as this decode rank sees it. ``dp_size`` and
+    ``follow_bootstrap_room`` are what SGLang's ``DecodePreallocQueue`` reads from
+    ``prefill_info_table``; ``plan`` is [(prefill agent, absolute heads or None for MLA)]."""
+
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+    tp: int = 0
+    plan: list[tuple[str, tuple[int, int] | None]] = field(default_factory=list)
+    error: str | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class _Want:
     """A decode rank's request for room ``room``: where the prefill rank writes."""
 
@@ -109,10 +129,14 @@ class _Want:
 class _Room:
     wants: list[_Want] = field(default_factory=list)
     results: list[dict] = field(default_factory=list)
+    aborted_by: set[str] = field(default_factory=set)  # decode agents that aborted this room
 
 
 class XferKVManager(BaseKVManager):
     """One per SGLang TP rank: the rank's xfer link over its KV pool and aux (metadata) buffers."""
+
+    supports_host_destination = False
+    enable_deferred_decode_kv_release = False  # issue 29's fence: hold aborted pages until writes drained
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
         self.kv_args, self.server_args, self.is_mla = args, server_args, bool(is_mla_backend)
@@ -125,6 +149,7 @@ class XferKVManager(BaseKVManager):
         self.link = KVLink(LinkConfig(name=f"sgl-{self.mode}-{uuid.uuid4().hex[:8]}.tp{self.rank}",
                                       timeout_s=TIMEOUT_S, listen_host=os.environ.get("XFER_SGLANG_HOST", "127.0.0.1"),
                                       enable=_TRANSPORTS))
+        self.bg = Background(f"xfer-sgl-{self.mode}.tp{self.rank}")
         tensors, layouts = _layers_from_args(args, self.is_mla, device)
         own = (0, 1) if self.is_mla else rank_heads(self.total_heads, self.tp_size, self.rank)
         self.link.register_layers(tensors, layouts, own_heads=own)
@@ -135,43 +160,131 @@ class XferKVManager(BaseKVManager):
             self.aux_regions.append(f"A{i}")
         self.rooms: dict[int, _Room] = {}
         self.stores: dict[str, object] = {}
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._info_jobs: dict[str, object] = {}  # bootstrap address -> Background future
+        self._connects: dict[str, object] = {}  # decode peer -> Background future (prefill side)
+        self._probes: dict[str, tuple[object, float]] = {}  # prefill peer -> (ping future, sent at) (decode side)
         self._published: dict[str, int] = {}
         self._lock = threading.RLock()
         self.bootstrap_addr = f"{getattr(server_args, 'host', '127.0.0.1')}:" \
                               f"{getattr(server_args, 'disaggregation_bootstrap_port', 8998)}"
         if self.mode == "prefill":
-            self.register_to_bootstrap()
+            self.register_to_bootstrap()  # start-up, before any request: may wait (bounded) on the store
 
     def __repr__(self) -> str:
         return f"XferKVManager({self.mode}, tp{self.rank}/{self.tp_size}, {self.link!r})"
 
-    # -- stores and peers
+    # -- stores and peers (Background threads, or start-up; each bounded by TIMEOUT_S)
     def store(self, addr: str):
         with self._lock:
-            if addr not in self.stores:
-                self.stores[addr] = open_store(f"tcp://{addr}", timeout=TIMEOUT_S)
-            return self.stores[addr]
+            s = self.stores.get(addr)
+        if s is None:
+            s = open_store(f"tcp://{addr}", timeout=TIMEOUT_S)
+            with self._lock:
+                s = self.stores.setdefault(addr, s)
+        return s
 
     def publish(self, addr: str) -> None:
         """Put this rank's agent in the store at ``addr`` (again when its regions changed)."""
-        with self._lock:
-            if self._published.get(addr) != self.link.version:
-                self.link.agent.publish(self.store(addr))
-                self._published[addr] = self.link.version
+        if self._published.get(addr) != self.link.version:
+            self.link.agent.publish(self.store(addr))
+            self._published[addr] = self.link.version
 
     def register_to_bootstrap(self) -> None:
-        import json
         self.publish(self.bootstrap_addr)
         record = {"agent": self.link.agent.name, "tp": self.tp_size, "total_heads": self.total_heads,
                   "page_size": int(self.kv_args.page_size), "mla": self.is_mla, "layers": self.link.num_layers}
         self.store(self.bootstrap_addr).set(f"sglang/prefill/tp{self.rank}", json.dumps(record).encode())
 
     def connect(self, addr: str, name: str, version: int) -> str:
-        with self._lock:
-            if self.link._connected.get(name, -1) < version or name not in self.link.agent.peers:
-                self.link.agent.connect_by_name(self.store(addr), name, timeout=TIMEOUT_S)
-                self.link._connected[name] = version
+        if self.link._connected.get(name, -1) < version or name not in self.link.agent.peers:
+            self.link.agent.connect_by_name(self.store(addr), name, timeout=TIMEOUT_S)
+            self.link._connected[name] = version
         return name
+
+    def connect_async(self, addr: str, name: str, version: int):
+        """A Background connect to ``name`` (one in flight per peer and version); its future."""
+        with self._lock:
+            fut = self._connects.get(name)
+            if fut is None or (fut.done() and (fut.exception() is not None or self.link._connected.get(name, -1)
+                                                < version)):
+                fut = self._connects[name] = self.bg.submit(self.connect, addr, name, version)
+        return fut
+
+    def send_async(self, peer: str, msg: dict):
+        """A control message on the Background; its future (raises the typed error if undelivered)."""
+        return self.bg.submit(self.link.send, peer, msg)
+
+    def probe(self, peer: str) -> str | None:
+        """Why ``peer`` looks dead (its last liveness ping failed: refused, or no answer within
+        TIMEOUT_S), else None; pings it again when the last ping is ``PROBE_S`` old. Never waits."""
+        from .sglang_rooms import PROBE_S
+        now = time.monotonic()
+        with self._lock:
+            last = self._probes.get(peer)
+            why = None
+            if last is not None and last[0].done() and last[0].exception() is not None:
+                why = str(last[0].exception())
+            if last is None or (last[0].done() and now - last[1] >= PROBE_S):
+                self._probes[peer] = (self.send_async(peer, {"t": "ping"}), now)
+        return why
+
+    # -- what SGLang's DecodePreallocQueue calls (never waits)
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """True once ``prefill_info_table`` holds ``bootstrap_addr`` (found, or failed: the receiver
+        then reports the failure); otherwise starts or checks the look-up on the Background."""
+        with self._lock:
+            if bootstrap_addr in self.prefill_info_table:
+                return True
+            job = self._info_jobs.get(bootstrap_addr)
+            if job is None:
+                self._info_jobs[bootstrap_addr] = self.bg.submit(self._fetch_info, bootstrap_addr)
+                return False
+            if not job.done():
+                return False
+            del self._info_jobs[bootstrap_addr]
+            exc = job.exception()
+            self.prefill_info_table[bootstrap_addr] = job.result() if exc is None else PrefillInfo(
+                error=f"bootstrap at {bootstrap_addr} failed: {exc}")
+            return True
+
+    def info(self, bootstrap_addr: str) -> PrefillInfo | None:
+        """The address's info for a receiver; a failure is dropped after ``_FAILED_INFO_S`` (retried)."""
+        with self._lock:
+            info = self.prefill_info_table.get(bootstrap_addr)
+            if info is not None and info.error and time.monotonic() - info.since > _FAILED_INFO_S:
+                del self.prefill_info_table[bootstrap_addr]
+        return info
+
+    def _fetch_info(self, addr: str) -> PrefillInfo:
+        """Background: the prefill's records, this rank's plan, connects to its source ranks."""
+        store = self.store(addr)
+        rec0 = json.loads(store.get("sglang/prefill/tp0", TIMEOUT_S))
+        src_tp = int(rec0["tp"])
+        if int(rec0.get("page_size", self.kv_args.page_size)) != int(self.kv_args.page_size):
+            raise LayoutError(f"page size mismatch: prefill at {addr} has {rec0['page_size']}, this decode rank "
+                            f"{self.kv_args.page_size}")
+        if self.is_mla:
+            heads_plan = [(self.rank % src_tp, None)]
+        else:
+            heads_plan = head_plan(self.total_heads, src_tp, self.tp_size, self.rank)
+            for _, heads in heads_plan:
+                self.link.ensure_heads(heads, publish=False)
+            self.link.publish()
+        self.publish(addr)  # the prefill finds this rank here to write into it
+        plan = []
+        for src, heads in heads_plan:
+            rec = json.loads(store.get(f"sglang/prefill/tp{src}", TIMEOUT_S))
+            plan.append((self.connect(addr, rec["agent"], 1), heads))
+        return PrefillInfo(tp=src_tp, plan=plan)
+
+    def _ensure_prefill_recompute_executor(self) -> Background:
+        """SGLang submits its prefill DP-rank queries here; the Background has ``submit``."""
+        return self.bg
+
+    def submit_prefill_recompute(self, kv_receiver, payload) -> None:
+        """PD rebootstrap (retraction) is not supported by this backend: the request fails."""
+        kv_receiver.fail("PD rebootstrap (prefill recompute) is not supported by the xfer backend")
 
     # -- messages
     def room(self, room: int) -> _Room:
@@ -179,7 +292,7 @@ class XferKVManager(BaseKVManager):
             return self.rooms.setdefault(int(room), _Room())
 
     def pump(self) -> None:
-        """Sort what peers sent into rooms (prefill: wants; decode: results)."""
+        """Sort what peers sent into rooms (prefill: wants and aborts; decode: results)."""
         for peer, op, msg in self.link.messages():
             if op is not Op.MESSAGE:
                 continue
@@ -189,14 +302,21 @@ class XferKVManager(BaseKVManager):
                     peer=peer, version=int(msg.get("v", 0)), pages=[int(p) for p in msg["pages"]], aux=msg.get("aux"),
                     heads=tuple(msg["heads"]) if msg.get("heads") else None,
                     dst_heads=tuple(msg["dheads"]) if msg.get("dheads") else None, dst_tp=int(msg.get("dtp", 1))))
+            elif kind == "abort":
+                self.room(msg["room"]).aborted_by.add(peer)
             elif kind == "done":
-                self.room(msg["room"]).results.append(msg)
+                with self._lock:
+                    room = self.rooms.get(int(msg["room"]))  # a room this side ended already: dropped
+                if room is not None:
+                    room.results.append(msg)
+            # "ping": a decode rank's liveness probe; delivery is the answer
 
     def drop(self, room: int) -> None:
         with self._lock:
             self.rooms.pop(int(room), None)
 
     def close(self) -> None:
+        self.bg.close()
         self.link.close()
         for s in self.stores.values():
             try:
@@ -206,186 +326,6 @@ class XferKVManager(BaseKVManager):
 
     def teardown(self) -> None:
         self.close()
-
-
-class XferKVSender(BaseKVSender):
-    """Prefill side of one request (room): waits for the decode ranks' wants, writes each chunk."""
-
-    def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False):
-        self.mgr, self.addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
-        self.num_pages, self.aux_index, self.cursor = 0, None, 0
-        self.groups: list[TransferGroup] = []
-        self.errors: list[str] = []
-        self.sent_last = self.reported = self.aborted = False
-        self.created = time.monotonic()
-        self.bytes = 0
-
-    def init(self, num_kv_indices: int, aux_index=None):
-        self.num_pages, self.aux_index = int(num_kv_indices), aux_index
-
-    def _expected(self, want: _Want) -> int:
-        if self.mgr.is_mla:
-            return len([d for d in range(want.dst_tp) if d % self.mgr.tp_size == self.mgr.rank])
-        return len(readers_of(self.mgr.total_heads, self.mgr.tp_size, want.dst_tp, self.mgr.rank))
-
-    def _wants(self) -> list[_Want]:
-        self.mgr.pump()
-        wants = self.mgr.room(self.room).wants
-        return wants if wants and len(wants) >= self._expected(wants[0]) else []
-
-    def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
-        pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
-        wants = self._wants()
-        if not wants:
-            self.errors.append(f"room {self.room}: send() before every decode rank asked for the KV")
-            return
-        last = self.cursor + len(pages) >= self.num_pages
-        for w in wants:
-            try:
-                peer = self.mgr.connect(self.addr, w.peer, w.version)
-                group = TransferGroup(f"{self.room}", self.mgr.link.num_layers if pages else 0)
-                dst = w.pages[self.cursor:self.cursor + len(pages)]
-                if pages:
-                    if w.heads is not None:
-                        self.mgr.link.ensure_heads(w.heads, publish=False)
-                    for layer in range(self.mgr.link.num_layers):
-                        group.add(layer, self.mgr.link.post(Op.WRITE, peer, layer, pages, dst, heads=w.heads,
-                                                            peer_heads=w.dst_heads,
-                                                            note={"room": self.room, "l": layer}))
-                if last and self.aux_index is not None and w.aux is not None:
-                    for i, region in enumerate(self.mgr.aux_regions):
-                        group.add(10_000 + i, self.mgr.link.agent.write(peer, [int(self.aux_index)], [int(w.aux)],
-                                                                       region=region, peer_region=region))
-                self.groups.append(group)
-            except XferError as exc:
-                self.errors.append(f"room {self.room} -> {w.peer}: {exc}")
-        self.cursor += len(pages)
-        self.sent_last = self.sent_last or last
-
-    def poll(self) -> int:
-        if self.aborted or self.errors:
-            return self._conclude(False)
-        if not self.sent_last:
-            if self._wants():
-                return KVPoll.WaitingForInput
-            if time.monotonic() - self.created > BOOTSTRAP_TIMEOUT_S:
-                self.errors.append(f"room {self.room}: no decode rank asked for the KV in {BOOTSTRAP_TIMEOUT_S} s")
-                return self._conclude(False)
-            return KVPoll.Bootstrapping
-        outcomes = [g.poll() for g in self.groups]
-        if any(o is None for o in outcomes):
-            return KVPoll.Transferring
-        for g in self.groups:
-            self.errors.extend(g.errors)
-        return self._conclude(all(outcomes))
-
-    def _conclude(self, ok: bool) -> int:
-        if not self.reported:
-            self.reported = True
-            for w in self.mgr.room(self.room).wants:
-                try:
-                    self.mgr.connect(self.addr, w.peer, w.version)
-                    self.mgr.link.send(w.peer, {"t": "done", "room": self.room, "src": self.mgr.rank, "ok": ok,
-                                                "err": "; ".join(self.errors)[:2000]})
-                except XferError as exc:  # the decode side times out on its own
-                    log.info("xfer: result of room %s not delivered to %s: %s", self.room, w.peer, exc)
-            self.mgr.drop(self.room)
-        return KVPoll.Success if ok else KVPoll.Failed
-
-    def get_transfer_metric(self):
-        return _metric(transfer_total_bytes=sum(t.nbytes for g in self.groups for ts in g.by_layer.values()
-                                                for t in ts) or None)
-
-    def failure_exception(self):
-        raise XferTransferError(f"xfer: room {self.room} failed: " + "; ".join(self.errors or ["aborted"]))
-
-    def abort(self):
-        self.aborted = True
-        for g in self.groups:
-            g.cancel()
-
-    def clear(self):
-        self.mgr.drop(self.room)
-
-
-class XferKVReceiver(BaseKVReceiver):
-    """Decode side of one request (room): asks the prefill ranks holding its heads for the KV."""
-
-    def __init__(self, mgr: XferKVManager, bootstrap_addr: str, bootstrap_room=None):
-        self.mgr, self.addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
-        self.plan: list[tuple[str, tuple[int, int] | None]] = []
-        self.errors: list[str] = []
-        self.state = KVPoll.Bootstrapping
-        self.deadline: float | None = None
-
-    def init(self, prefill_dp_rank: int = 0):
-        import json
-        try:
-            store = self.mgr.store(self.addr)
-            rec0 = json.loads(store.get("sglang/prefill/tp0", TIMEOUT_S))
-            src_tp = int(rec0["tp"])
-            if self.mgr.is_mla:
-                plan = [(self.mgr.rank % src_tp, None)]
-            else:
-                plan = head_plan(self.mgr.total_heads, src_tp, self.mgr.tp_size, self.mgr.rank)
-                for _, heads in plan:
-                    self.mgr.link.ensure_heads(heads, publish=False)
-                self.mgr.link.publish()
-            self.mgr.publish(self.addr)
-            for src, heads in plan:
-                rec = json.loads(store.get(f"sglang/prefill/tp{src}", TIMEOUT_S))
-                self.plan.append((self.mgr.connect(self.addr, rec["agent"], 1), heads))
-            self.state = KVPoll.WaitingForInput
-        except (XferError, KeyError, ValueError) as exc:
-            self.errors.append(f"room {self.room}: bootstrap at {self.addr} failed: {exc}")
-            self.state = KVPoll.Failed
-
-    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kw):
-        if self.state == KVPoll.Failed:
-            return
-        pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
-        for i, (peer, heads) in enumerate(self.plan):
-            try:  # the aux row (first-token metadata) comes from the first source only
-                self.mgr.link.send(peer, {"t": "want", "room": self.room, "pages": pages,
-                                          "aux": aux_index if i == 0 else None,
-                                          "heads": list(heads) if heads else None, "dtp": self.mgr.tp_size,
-                                          "dheads": None if heads is None else list(self.mgr.link.own_heads),
-                                          "v": self.mgr.link.version})
-            except XferError as exc:
-                self.errors.append(f"room {self.room}: asking {peer}: {exc}")
-                self.state = KVPoll.Failed
-                return
-        self.state = KVPoll.Transferring
-        self.deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
-
-    def poll(self) -> int:
-        if self.state != KVPoll.Transferring:
-            return self.state
-        self.mgr.pump()
-        results = self.mgr.room(self.room).results
-        bad = [r for r in results if not r.get("ok")]
-        if bad:
-            self.errors.extend(str(r.get("err")) for r in bad)
-            self.state = KVPoll.Failed
-        elif len(results) >= len(self.plan):
-            self.state = KVPoll.Success
-        elif time.monotonic() > self.deadline:
-            self.errors.append(f"room {self.room}: no result from the prefill side within {BOOTSTRAP_TIMEOUT_S} s")
-            self.state = KVPoll.Failed
-        if self.state in (KVPoll.Success, KVPoll.Failed):
-            self.mgr.drop(self.room)
-        return self.state
-
-    def failure_exception(self):
-        raise XferTransferError(f"xfer: room {self.room} failed: " + "; ".join(self.errors or ["aborted"]))
-
-    def abort(self):
-        self.errors.append("aborted")
-        self.state = KVPoll.Failed
-
-    def clear(self):
-        self.mgr.drop(self.room)
 
 
 class XferKVBootstrapServer(BaseKVBootstrapServer):
@@ -398,6 +338,8 @@ class XferKVBootstrapServer(BaseKVBootstrapServer):
     def close(self) -> None:
         self.store.close()
 
+
+from .sglang_rooms import XferKVReceiver, XferKVSender, XferTransferError  # noqa: E402  (they use the names above)
 
 CLASSES = {"manager": XferKVManager, "sender": XferKVSender, "receiver": XferKVReceiver,
            "bootstrap_server": XferKVBootstrapServer}

@@ -110,8 +110,8 @@ def run_sglang_pd(mod, KVArgs, KVPoll, *, p_tp=1, d_tp=1, total_heads=2, layers=
             s.init(len(p_pages), p_aux)
             assert s.poll() == KVPoll.Bootstrapping
         for r in receivers:
-            r.init(0)
-            assert r.poll() == KVPoll.WaitingForInput
+            r.init(0)  # returns at once: the bootstrap look-up runs on the manager's Background
+            poll_until(r.poll, KVPoll.WaitingForInput, what="receiver bootstrap")
             r.send_metadata(np.asarray(d_pages, dtype=np.int32), d_aux)
         for s in senders:
             poll_until(s.poll, KVPoll.WaitingForInput, what="sender")
@@ -163,6 +163,7 @@ def run_sglang_failure(mod, KVArgs, KVPoll):
     try:
         r = mod.XferKVReceiver(dm, addr, 7)
         r.init(0)
+        poll_until(r.poll, KVPoll.WaitingForInput, what="receiver bootstrap")
         r.send_metadata(np.asarray([1, 2], dtype=np.int32), 0)
         s = mod.XferKVSender(pm, addr, 7)
         s.init(2, 0)
@@ -190,14 +191,19 @@ def _module(name, **attrs):
     return m
 
 
+_DEPENDENTS = {"xfer.engine.sglang_conn": ("xfer.engine.sglang_rooms",)}  # modules that import the faked ones too
+
+
 @contextmanager
 def fake_modules(modules: dict, reload: str):
     """Temporarily install ``modules`` in sys.modules (shadowing real ones) and import ``reload`` fresh."""
     import importlib
-    saved = {k: sys.modules.get(k) for k in [*modules, reload]}
+    fresh = [reload, *_DEPENDENTS.get(reload, ())]
+    saved = {k: sys.modules.get(k) for k in [*modules, *fresh]}
     try:
         sys.modules.update(modules)
-        sys.modules.pop(reload, None)
+        for name in fresh:
+            sys.modules.pop(name, None)
         yield importlib.import_module(reload)
     finally:
         for k, v in saved.items():
