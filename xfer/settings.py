@@ -96,9 +96,7 @@ KNOBS: tuple[Knob, ...] = (
          "between two device regions a chunk's stages are HBM copies of tens of us against ~0.1-0.2 ms of host "
          "work a chunk: no cutting below the slot size"),
     Knob("XFER_SGLANG_TIMEOUT_S", "sglang", "timeout_s", "float", 30.0, "s",
-         "the SGLang connector's deadline per transfer and per handshake step"),
-    Knob("XFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "sglang", "bootstrap_timeout_s", "float", 300.0, "s",
-         "how long an SGLang sender waits for its decode peer to bootstrap"),
+         "the SGLang connector's one deadline: per transfer, and per look-up, connect and handshake step"),
     Knob("XFER_SGLANG_TRANSPORTS", "sglang", "transports", "list", None, "names",
          "start only these xfer transports in SGLang's connector (e.g. local,ucx); unset: every one that can run"),
     Knob("XFER_SGLANG_HOST", "sglang", "host", "str", "127.0.0.1", "host",
@@ -257,7 +255,6 @@ class SglangSettings:
     """The SGLang connector's knobs (``xfer.engine.sglang_conn``)."""
 
     timeout_s: float = 30.0
-    bootstrap_timeout_s: float = 300.0
     transports: tuple[str, ...] | None = None
     host: str = "127.0.0.1"
     replace: str | None = None
