@@ -75,6 +75,7 @@ class XferKVSender(BaseKVSender):
         return self.wants
 
     def _room_aborted(self) -> bool:
+        self.mgr.pump()  # an abort may come at any time
         return bool(self.mgr.room(self.room).aborted_by)
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
@@ -94,7 +95,7 @@ class XferKVSender(BaseKVSender):
         peer = self.mgr.connect_async(self.addr, w.peer, w.version).result(timeout=_timeout_s() + 1.0)
         link = self.mgr.link
         with self.lock:
-            if self.stopping or self._room_aborted():
+            if self.stopping or self.mgr.room(self.room).aborted_by:
                 return  # the decode side aborted: not one byte into its pages
             group = TransferGroup(f"{self.room}", link.num_layers if pages else 0)
             dst = w.pages[cursor:cursor + len(pages)]

@@ -184,6 +184,99 @@ def run_sglang_failure(mod, KVArgs, KVPoll):
         server.close()
 
 
+def _pair(mod, KVArgs, port, *, seed=1):
+    """A prefill and a decode manager (TP 1, 2 heads) on a bootstrap server at ``port``."""
+    P = SglangRank(layers=2, pages=8, page=4, heads=2, dim=8, seed=seed)
+    D = SglangRank(layers=2, pages=8, page=4, heads=2, dim=8)
+    pm = mod.XferKVManager(P.kv_args(KVArgs, rank=0, total_heads=2), "prefill", server_args(port, 1))
+    dm = mod.XferKVManager(D.kv_args(KVArgs, rank=0, total_heads=2), "decode", server_args(port, 1))
+    return P, D, pm, dm
+
+
+def run_sglang_abort(mod, KVArgs, KVPoll):
+    """Case 8: a decode abort reaches the prefill: its sender ends Failed within 1 s and writes
+    nothing into the aborted room's pages, even when SGLang hands it the KV afterwards."""
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    server = mod.XferKVBootstrapServer("127.0.0.1", port)
+    P, D, pm, dm = _pair(mod, KVArgs, port)
+    try:
+        r = mod.XferKVReceiver(dm, addr, 11)
+        r.init(0)
+        poll_until(r.poll, KVPoll.WaitingForInput, what="receiver bootstrap")
+        r.send_metadata(np.asarray([1, 2], dtype=np.int32), 0)
+        s = mod.XferKVSender(pm, addr, 11)
+        s.init(2, 0)
+        poll_until(s.poll, KVPoll.WaitingForInput, what="sender")
+        t0 = time.monotonic()
+        r.abort()
+        assert r.poll() == KVPoll.Failed and r.abort_notified
+        poll_until(s.poll, KVPoll.Failed, limit_s=5, what="sender after the decode's abort")
+        assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+        s.send(np.asarray([5, 6], dtype=np.int32))  # a forward that was in flight hands the KV over anyway
+        assert s.poll() == KVPoll.Failed
+        time.sleep(0.3)
+        assert (D.pages_bytes(D.k + D.v, [1, 2]) == POISON).all()  # not one byte landed
+        assert (D.aux[0] == POISON).all()
+    finally:
+        pm.close()
+        dm.close()
+        server.close()
+
+
+def run_sglang_unknown_prefill(mod, KVArgs, KVPoll, *, timeout_s, step=None):
+    """Case 9: a bootstrap address nobody serves fails the request by about ``timeout_s``; no call
+    into the backend waits (``step()``, default ``receiver.poll``, is what the scheduler loop runs).
+    Returns (seconds to Failed, the longest call)."""
+    D = SglangRank(layers=2, pages=8, page=4, heads=2, dim=8)
+    dm = mod.XferKVManager(D.kv_args(KVArgs, rank=0, total_heads=2), "decode", server_args(free_port(), 1))
+    try:
+        r = mod.XferKVReceiver(dm, f"127.0.0.1:{free_port()}", 3)
+        t0 = time.monotonic()
+        r.init(0)
+        worst = time.monotonic() - t0
+        while r.poll() != KVPoll.Failed:
+            c0 = time.monotonic()
+            (step or r.poll)()
+            worst = max(worst, time.monotonic() - c0)
+            assert time.monotonic() - t0 < timeout_s + 10, "the request never failed"
+            time.sleep(0.01)
+        with pytest_raises(mod.XferTransferError, "127.0.0.1"):
+            r.failure_exception()
+        return time.monotonic() - t0, worst
+    finally:
+        dm.close()
+
+
+def run_sglang_dead_prefill(mod, KVArgs, KVPoll, *, timeout_s):
+    """Case 9: the prefill dies after the decode asked for the KV: the room fails within about
+    ``timeout_s`` (the liveness probe), not after SGLang's 300 s waiting timeout."""
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    server = mod.XferKVBootstrapServer("127.0.0.1", port)
+    P, D, pm, dm = _pair(mod, KVArgs, port)
+    try:
+        r = mod.XferKVReceiver(dm, addr, 5)
+        r.init(0)
+        poll_until(r.poll, KVPoll.WaitingForInput, what="receiver bootstrap")
+        r.send_metadata(np.asarray([1, 2], dtype=np.int32), 0)
+        assert r.poll() == KVPoll.Transferring
+        time.sleep(0.2)
+        pm.close()  # the prefill rank is gone: its agent's port refuses
+        t0 = time.monotonic()
+        poll_until(r.poll, KVPoll.Failed, limit_s=timeout_s + 5, what="receiver of a dead prefill")
+        return time.monotonic() - t0
+    finally:
+        pm.close()
+        dm.close()
+        server.close()
+
+
+def pytest_raises(exc, text):
+    import pytest
+    return pytest.raises(exc, match=text)
+
+
 # ---- fakes of the engines' base classes --------------------------------------------------------------
 def _module(name, **attrs):
     m = types.ModuleType(name)

@@ -184,3 +184,35 @@ def test_extra_config_is_strict(vmod, store):
                      ("lease_s", -1), ("transports", 5), ("layout", "paged"), ("store", "http://x:1")):
         with pytest.raises(InvalidArgumentError, match=key):
             vmod.m.XferConnector(vconfig("kv_consumer", "x", store.endpoint, **{key: bad}), vmod.Role.SCHEDULER)
+
+
+# ---- SGLang (fakes of its base classes; SGLang's own queues: tests/test_dropin_sglang.py) ------------
+@pytest.fixture(scope="module")
+def smod():
+    from dropin_harness import fake_sglang
+    mods, kvargs, kvpoll = fake_sglang()
+    with fake_modules(mods, "xfer.engine.sglang_conn") as m:
+        yield SimpleNamespace(m=m, KVArgs=kvargs, KVPoll=kvpoll)
+
+
+def test_sglang_decode_abort_reaches_the_prefill(smod, monkeypatch):
+    from dropin_harness import run_sglang_abort
+    monkeypatch.setattr(smod.m, "_TRANSPORTS", ("local",))
+    run_sglang_abort(smod.m, smod.KVArgs, smod.KVPoll)
+
+
+def test_sglang_unknown_prefill_fails_by_the_deadline_without_blocking(smod, monkeypatch):
+    from dropin_harness import run_sglang_unknown_prefill
+    monkeypatch.setattr(smod.m, "_TRANSPORTS", ("local",))
+    monkeypatch.setattr(smod.m, "TIMEOUT_S", 1.0)
+    elapsed, worst = run_sglang_unknown_prefill(smod.m, smod.KVArgs, smod.KVPoll, timeout_s=1.0)
+    print(f"sglang unknown prefill: failed after {elapsed:.2f} s, longest call {worst * 1000:.1f} ms")
+    assert worst < 0.1 and elapsed < 1.0 + 3.0, (elapsed, worst)
+
+
+def test_sglang_dead_prefill_fails_a_waiting_room(smod, monkeypatch):
+    from dropin_harness import run_sglang_dead_prefill
+    monkeypatch.setattr(smod.m, "_TRANSPORTS", ("local",))
+    monkeypatch.setattr(smod.m, "TIMEOUT_S", 2.0)
+    elapsed = run_sglang_dead_prefill(smod.m, smod.KVArgs, smod.KVPoll, timeout_s=2.0)
+    assert elapsed < 2.0 + 2.0, elapsed
