@@ -5,7 +5,6 @@ see README.md, "Running the engine tests"). The harness replays SGLang's call or
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 

@@ -13,7 +13,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is a local config.json: never ask the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
