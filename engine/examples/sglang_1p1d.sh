@@ -4,7 +4,9 @@
 # The prefill bootstrap server (--disaggregation-bootstrap-port) hosts xfer's metadata store.
 set -euo pipefail
 MODEL=${MODEL:-meta-llama/Llama-3.1-8B-Instruct}
-export XFER_SGLANG_TIMEOUT_S=30            # deadline of every transfer and handshake step
+export XFER_SGLANG_TIMEOUT_S=30            # the deadline of every network step: look-up, connect, message,
+                                           # layer transfer, liveness probe of a prefill a request waits on
+# across hosts: pip install "xfer[ucx]" on every host
 export XFER_SGLANG_HOST=10.0.0.1           # the address peers reach this instance's xfer agents on
 
 python -m xfer.engine.sglang_plugin --replace mooncake -- --model-path "$MODEL" \

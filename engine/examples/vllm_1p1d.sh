@@ -13,14 +13,9 @@ CUDA_VISIBLE_DEVICES=0 vllm serve "$MODEL" --port 8100 \
 CUDA_VISIBLE_DEVICES=1 vllm serve "$MODEL" --port 8200 \
   --kv-transfer-config "$(cat "$(dirname "$0")/vllm_decode.json")" &
 
-# --- the proxy: two calls per request (any P/D proxy that forwards kv_transfer_params works,
-# e.g. vLLM's disaggregated-serving toy proxy written for NixlConnector) ---
-# 1. prefill: max_tokens=1 and kv_transfer_params {"do_remote_decode": true}
-#    curl -s 10.0.0.1:8100/v1/completions -H 'content-type: application/json' -d '{"model": "'$MODEL'",
-#      "prompt": "...", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}'
-#    -> the response carries kv_transfer_params: remote_engine_id, remote_request_id, remote_block_ids,
-#       remote_tp_size, lease_expires (the prefill blocks stay held until the decode side read them,
-#       or until lease_s passes)
-# 2. decode: the same request with the returned kv_transfer_params, verbatim
-#    curl -s 10.0.0.2:8200/v1/completions -d '{..., "kv_transfer_params": <from step 1>}'
+# --- the proxy (any host): two calls per request, kv_transfer_params forwarded verbatim ---
+python "$(dirname "$0")/pd_proxy.py" --port 8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 &
+# curl -s localhost:8000/v1/completions -H 'content-type: application/json' \
+#   -d '{"model": "'$MODEL'", "prompt": "San Francisco is a", "max_tokens": 32}'
+# Across hosts every instance needs xfer's UCX transport: pip install "xfer[ucx]" (see README.md here).
 wait

@@ -22,6 +22,9 @@ CUDA_VISIBLE_DEVICES=2,3 vllm serve "$MODEL" --port 8101 -tp 2 --kv-transfer-con
 # decode host B (10.0.0.2), GPUs 0-1: two TP-1 instances
 CUDA_VISIBLE_DEVICES=0 vllm serve "$MODEL" --port 8200 --kv-transfer-config "$(cfg kv_consumer decode-0 10.0.0.2 2)" &
 CUDA_VISIBLE_DEVICES=1 vllm serve "$MODEL" --port 8201 --kv-transfer-config "$(cfg kv_consumer decode-1 10.0.0.2 2)" &
+# the proxy: each request to the next prefill and the next decode instance
+python "$(dirname "$0")/pd_proxy.py" --port 8000 --prefill http://10.0.0.1:8100 --prefill http://10.0.0.1:8101 \
+  --decode http://10.0.0.2:8200 --decode http://10.0.0.2:8201 &
 wait
-# Across hosts xfer picks UCX; for InfiniBand/RoCE export the UCX settings from README.md
+# Across hosts xfer picks UCX (pip install "xfer[ucx]" on every host); for InfiniBand/RoCE export the UCX settings from README.md
 # ("Across nodes with UCX") in every instance's environment.
