@@ -272,6 +272,72 @@ def run_sglang_dead_prefill(mod, KVArgs, KVPoll, *, timeout_s):
         server.close()
 
 
+def run_sglang_frozen_prefill(mod, KVArgs, KVPoll, *, timeout_s):
+    """Case 9: a prefill instance in its own process (bootstrap server + prefill manager) is frozen
+    with SIGSTOP after the decode asked it for a room: the room fails within about ``timeout_s``
+    (the liveness probe gets no answer) and no poll waits. Returns (seconds to Failed, longest poll)."""
+    import os
+    import select
+    import signal
+    import subprocess
+
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    env = dict(os.environ, XFER_SGLANG_TIMEOUT_S=str(timeout_s), XFER_SGLANG_TRANSPORTS="local")
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sglang-prefill", str(port)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    D = SglangRank(layers=2, pages=8, page=4, heads=2, dim=8)
+    dm = None
+    try:
+        assert select.select([child.stdout], [], [], 60)[0] and child.stdout.readline().strip() == "ready"
+        dm = mod.XferKVManager(D.kv_args(KVArgs, rank=0, total_heads=2), "decode", server_args(port, 1))
+        r = mod.XferKVReceiver(dm, addr, 13)
+        r.init(0)
+        poll_until(r.poll, KVPoll.WaitingForInput, what="receiver bootstrap")
+        r.send_metadata(np.asarray([1, 2], dtype=np.int32), 0)
+        time.sleep(0.5)
+        assert r.poll() == KVPoll.Transferring
+        os.kill(child.pid, signal.SIGSTOP)
+        t0, worst = time.monotonic(), 0.0
+        while True:
+            c0 = time.monotonic()
+            state = r.poll()
+            worst = max(worst, time.monotonic() - c0)
+            if state == KVPoll.Failed:
+                break
+            assert time.monotonic() - t0 < timeout_s + 10, "the room never failed"
+            time.sleep(0.005)
+        return time.monotonic() - t0, worst
+    finally:
+        child.kill()  # SIGKILL ends a stopped process too
+        child.wait()
+        if dm is not None:
+            dm.close()
+
+
+def _sglang_prefill_main(port: int) -> None:
+    """Child process: SGLang's classes (or the fakes), a bootstrap server and one prefill rank."""
+    import importlib
+    try:
+        import sglang.srt.disaggregation.base.conn as conn  # noqa: F401
+    except ImportError:
+        mods, _, _ = fake_sglang()
+        sys.modules.update(mods)
+    mod = importlib.import_module("xfer.engine.sglang_conn")
+    KVArgs = sys.modules["sglang.srt.disaggregation.base.conn"].KVArgs
+    server = mod.XferKVBootstrapServer("127.0.0.1", port)
+    P = SglangRank(layers=2, pages=8, page=4, heads=2, dim=8, seed=1)
+    pm = mod.XferKVManager(P.kv_args(KVArgs, rank=0, total_heads=2), "prefill", server_args(port, 1))
+    print("ready", flush=True)
+    try:
+        while True:  # the prefill's scheduler loop, idle: it drains what decode ranks send
+            pm.pump()
+            time.sleep(0.01)
+    finally:
+        pm.close()
+        server.close()
+
+
 def pytest_raises(exc, text):
     import pytest
     return pytest.raises(exc, match=text)
@@ -377,3 +443,8 @@ def fake_vllm():
     mods = {n: _module(n) for n in names}
     mods[base.__name__], mods[req.__name__] = base, req
     return mods, KVConnectorRole, RequestStatus
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sglang-prefill":
+        _sglang_prefill_main(int(sys.argv[2]))

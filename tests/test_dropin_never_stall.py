@@ -216,3 +216,13 @@ def test_sglang_dead_prefill_fails_a_waiting_room(smod, monkeypatch):
     monkeypatch.setattr(smod.m, "TIMEOUT_S", 2.0)
     elapsed = run_sglang_dead_prefill(smod.m, smod.KVArgs, smod.KVPoll, timeout_s=2.0)
     assert elapsed < 2.0 + 2.0, elapsed
+
+
+def test_sglang_frozen_prefill_fails_a_waiting_room_without_blocking(smod, monkeypatch):
+    """Case 9: the prefill process is frozen (SIGSTOP) while a decode room waits on it."""
+    from dropin_harness import run_sglang_frozen_prefill
+    monkeypatch.setattr(smod.m, "_TRANSPORTS", ("local",))
+    monkeypatch.setattr(smod.m, "TIMEOUT_S", 2.0)
+    elapsed, worst = run_sglang_frozen_prefill(smod.m, smod.KVArgs, smod.KVPoll, timeout_s=2.0)
+    print(f"sglang frozen prefill: room failed after {elapsed:.2f} s, longest poll {worst * 1000:.1f} ms")
+    assert worst < 0.1 and elapsed < 2.0 + 3.0, (elapsed, worst)

@@ -166,3 +166,10 @@ def test_dead_prefill_fails_a_waiting_room(monkeypatch):
     from dropin_harness import run_sglang_dead_prefill
     monkeypatch.setattr(sglang_conn, "TIMEOUT_S", 2.0)
     assert run_sglang_dead_prefill(sglang_conn, conn.KVArgs, conn.KVPoll, timeout_s=2.0) < 4.0
+
+
+def test_frozen_prefill_process_fails_a_waiting_room(monkeypatch):
+    from dropin_harness import run_sglang_frozen_prefill
+    monkeypatch.setattr(sglang_conn, "TIMEOUT_S", 2.0)
+    elapsed, worst = run_sglang_frozen_prefill(sglang_conn, conn.KVArgs, conn.KVPoll, timeout_s=2.0)
+    assert worst < 0.1 and elapsed < 5.0, (elapsed, worst)
