@@ -22,9 +22,12 @@ log = logging.getLogger("xfer.engine.background")
 
 
 class Background:
-    """Up to ``max_workers`` daemon threads running submitted calls in order of submission."""
+    """Up to ``max_workers`` daemon threads running submitted calls in order of submission.
 
-    def __init__(self, name: str, max_workers: int = 16):
+    Calls beyond ``max_workers`` queue: a frozen peer can hold up to one thread per call waiting on
+    it (each until its deadline), so the bound is generous (64) and threads are made only on demand."""
+
+    def __init__(self, name: str, max_workers: int = 64):
         self.name, self.max_workers = name, max_workers
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
