@@ -443,3 +443,36 @@ def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair,
     pair.a.write(pair.peer, [5], [5], notify=b"again").wait()  # nothing queued: the poster launches again
     assert launched[-1] == (b"again", me)
     assert_untouched(pair.lb, pair.tb, [1, 5, 6])
+
+
+def test_a_transfer_ends_once_through_complete_or_fail_and_the_exception_names_its_state():
+    """Transports end a transfer with ``complete()`` or ``fail(exc)``; ``state_for`` is the one map
+    from an exception to a state (deadline TIMED_OUT, cancel or agent closed CANCELLED, anything
+    else FAILED; a bug's exception reported as a TransportError); the first ending stands, the
+    cancel hook runs for any ending but DONE, and ``wait()`` returns DONE or raises the error."""
+    from xfer.errors import PeerDisconnectedError, TransferCancelledError, TransportError
+    from xfer.transfer import Transfer, state_for
+
+    def transfer():
+        return Transfer(peer="p", op=Op.WRITE, num_blocks=1, nbytes=8, path="test", timeout=10.0)
+
+    cases = [(TransferTimeoutError("late"), TransferState.TIMED_OUT),
+             (TransferCancelledError("stop"), TransferState.CANCELLED),
+             (AgentClosedError("closed"), TransferState.CANCELLED),
+             (PeerDisconnectedError("gone"), TransferState.FAILED),
+             (ValueError("a bug"), TransferState.FAILED)]
+    for exc, state in cases:
+        assert state_for(exc) is state
+        t, hooked = transfer(), []
+        t.begin(on_cancel=hooked.append)
+        assert t.poll() is TransferState.RUNNING and t.fail(exc) and t.poll() is state and hooked == [t]
+        assert not t.complete() and not t.fail(TransferTimeoutError("again")) and t.poll() is state
+        expected = TransportError if isinstance(exc, ValueError) else type(exc)
+        assert type(t.error) is expected and ("a bug" in str(t.error) if expected is TransportError else True)
+        with pytest.raises(expected):
+            t.wait()
+    t, hooked = transfer(), []
+    t.begin(on_cancel=hooked.append)
+    t.mark("landed")
+    assert t.complete() and not t.fail(PeerDisconnectedError("late")) and hooked == []
+    assert t.wait() is TransferState.DONE and t.error is None and "landed" in t.timeline()

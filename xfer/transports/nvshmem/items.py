@@ -125,7 +125,8 @@ class WriteSend(_Initiated):
 
     def run(self, lane) -> None:
         job, t = self.job, self.job.transfer
-        if t.poll().terminal:
+        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+            t.fail(t.error)
             return
         t.begin()
         lane.take_seqs(self, self.plan.chunks)
@@ -249,7 +250,8 @@ class ReadReceive(_Initiated):
 
     def run(self, lane) -> None:
         job, t = self.job, self.job.transfer
-        if t.poll().terminal:
+        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+            t.fail(t.error)
             return
         t.begin()
         lane.take_seqs(self, self.plan.chunks)

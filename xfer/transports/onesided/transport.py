@@ -159,7 +159,8 @@ class OneSidedTransport(Transport):
 
     def _start(self, job: Job) -> None:
         """Launch the job's copies and hand it to the completer (a stream launch holds ``_order``)."""
-        if job.transfer.poll().terminal:
+        if job.transfer.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+            job.transfer.fail(job.transfer.error)
             return
         job.transfer.begin()
         job.transfer.mark("started")

@@ -183,7 +183,8 @@ class Protocol:
     # ---- initiator ---------------------------------------------------------------------------
     def start(self, job) -> None:
         t = job.transfer
-        if t.poll().terminal:
+        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+            t.fail(t.error)
             return
         t.mark("started")  # the engine thread took the posted job
         try:
