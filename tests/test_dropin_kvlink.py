@@ -149,3 +149,31 @@ def test_group_reports_failure_without_raising():
     finally:
         a.close()
         b.close()
+
+
+def test_background_runs_calls_off_the_caller_and_close_cancels_the_queue():
+    import threading
+
+    from xfer.engine.background import Background
+
+    bg = Background("t", max_workers=2)
+    gate = threading.Event()
+    stuck = [bg.submit(gate.wait, 5) for _ in range(2)]  # both threads wait on a "frozen peer"
+    t0 = time.monotonic()
+    queued = bg.submit(lambda x: x * 2, 21)
+    assert time.monotonic() - t0 < 0.05 and not queued.done()  # submit never waits
+    gate.set()
+    assert queued.result(2) == 42 and all(f.result(2) for f in stuck)
+    failing = bg.submit(lambda: 1 / 0)
+    assert isinstance(failing.exception(2), ZeroDivisionError)
+    gate.clear()
+    busy = [bg.submit(gate.wait, 5) for _ in range(2)]
+    end = time.monotonic() + 2
+    while not all(f.running() for f in busy) and time.monotonic() < end:
+        time.sleep(0.005)
+    pending = bg.submit(int)
+    bg.close()
+    assert pending.cancelled() and bg.submit(int).exception() is not None
+    gate.set()
+    assert all(f.result(2) for f in busy)
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("t-"))
