@@ -1,8 +1,14 @@
-"""Transports: an enum, a lazy-import factory and the selection policy.
+"""Transports: the kinds, a lazy-import factory and the selection order.
 
 Importing this package imports no transport module; ``load`` imports one on demand, so a
 missing optional dependency (ucxx, nvshmem4py, a GPU) only disables that transport, and the
-reason is reported by ``select``.
+reason is reported by the agent's route selection.
+
+One package per transport, each exposing its class: ``onesided`` (``local``, ``ipc``: the
+initiator maps the peer's memory and copies), ``ucx`` and ``nvshmem``; beside them the pieces
+they share: ``base`` (the abstract Transport, the records the agent hands it, region state),
+``completion`` (ending a transfer the initiator moved itself: notify, then complete or fail),
+``incoming`` (the one check of a peer's request) and ``chunking`` (the one chunk planner).
 """
 
 from __future__ import annotations
