@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, BaseKVManager
 
 from xfer import KVLayout
+from xfer import settings
 from xfer.errors import LayoutError, XferError
 from xfer.store import open_store
 from xfer.transfer import Op
@@ -49,9 +49,10 @@ __all__ = ["XferKVManager", "XferKVSender", "XferKVReceiver", "XferKVBootstrapSe
 
 log = logging.getLogger("xfer.engine.sglang")
 
-TIMEOUT_S = float(os.environ.get("XFER_SGLANG_TIMEOUT_S", "30"))  # every network step (see the module doc)
-_TRANSPORTS = tuple(os.environ["XFER_SGLANG_TRANSPORTS"].split(",")) if os.environ.get("XFER_SGLANG_TRANSPORTS") \
-    else None  # e.g. "local,ucx": start only these xfer transports
+# the connector's knobs, from xfer's settings table (XFER_SGLANG_*), read once when SGLang imports us
+_SETTINGS = settings.current().sglang
+TIMEOUT_S = _SETTINGS.timeout_s  # every network step (see the module doc)
+_TRANSPORTS = _SETTINGS.transports  # e.g. ("local", "ucx"): start only these xfer transports; None: all
 _FAILED_INFO_S = 1.0  # a failed bootstrap look-up fails the requests of the next second, then is retried
 
 
@@ -147,7 +148,7 @@ class XferKVManager(BaseKVManager):
         self.tp_size = int(getattr(server_args, "tp_size", 0) or max(1, self.total_heads // max(1, int(
             getattr(args, "kv_head_num", 1) or 1))))
         self.link = KVLink(LinkConfig(name=f"sgl-{self.mode}-{uuid.uuid4().hex[:8]}.tp{self.rank}",
-                                      timeout_s=TIMEOUT_S, listen_host=os.environ.get("XFER_SGLANG_HOST", "127.0.0.1"),
+                                      timeout_s=TIMEOUT_S, listen_host=_SETTINGS.host,
                                       enable=_TRANSPORTS))
         self.bg = Background(f"xfer-sgl-{self.mode}.tp{self.rank}")
         tensors, layouts = _layers_from_args(args, self.is_mla, device)
