@@ -56,15 +56,6 @@ _TRANSPORTS = _SETTINGS.transports  # e.g. ("local", "ucx"): start only these xf
 _FAILED_INFO_S = 1.0  # a failed bootstrap look-up fails the requests of the next second, then is retried
 
 
-def sglang_wait_s(name: str, default: float = 300.0) -> float:
-    """SGLang's own disaggregation timeout ``name`` (``SGLANG_DISAGGREGATION_*``), or ``default``."""
-    try:
-        from sglang.srt.environ import envs
-        return float(getattr(envs, name).get())
-    except Exception:  # older SGLang, or a stand-in in tests
-        return default
-
-
 def _mode(mode) -> str:
     return str(getattr(mode, "value", mode)).lower()
 
@@ -291,6 +282,11 @@ class XferKVManager(BaseKVManager):
     def room(self, room: int) -> _Room:
         with self._lock:
             return self.rooms.setdefault(int(room), _Room())
+
+    @property
+    def timeout_s(self) -> float:
+        """The deadline of every network step (``TIMEOUT_S``, read when asked: tests shorten it)."""
+        return TIMEOUT_S
 
     def pump(self) -> None:
         """Sort what peers sent into rooms (prefill: wants and aborts; decode: results)."""

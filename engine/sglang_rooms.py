@@ -26,13 +26,17 @@ __all__ = ["XferKVSender", "XferKVReceiver", "XferTransferError"]
 PROBE_S = 1.0  # a decode rank waiting on a prefill rank checks it is alive this often
 
 
+def sglang_wait_s(name: str, default: float = 300.0) -> float:
+    """SGLang's own disaggregation timeout ``name`` (``SGLANG_DISAGGREGATION_*``), or ``default``."""
+    try:
+        from sglang.srt.environ import envs
+        return float(getattr(envs, name).get())
+    except Exception:  # older SGLang, or a stand-in in tests
+        return default
+
+
 class XferTransferError(RuntimeError):
     """What ``failure_exception`` raises: the room and every reason it failed."""
-
-
-def _timeout_s() -> float:
-    from . import sglang_conn
-    return sglang_conn.TIMEOUT_S
 
 
 def _metric(**kw):
@@ -92,7 +96,7 @@ class XferKVSender(BaseKVSender):
 
     def _write(self, w, pages: list[int], cursor: int, last: bool) -> None:
         """Background: connect to the decode rank (bounded), then post one WRITE per layer."""
-        peer = self.mgr.connect_async(self.addr, w.peer, w.version).result(timeout=_timeout_s() + 1.0)
+        peer = self.mgr.connect_async(self.addr, w.peer, w.version).result(timeout=self.mgr.timeout_s + 1.0)
         link = self.mgr.link
         with self.lock:
             if self.stopping or self.mgr.room(self.room).aborted_by:
@@ -119,7 +123,6 @@ class XferKVSender(BaseKVSender):
         if not self.sent_last:
             if self._wants():
                 return KVPoll.WaitingForInput
-            from .sglang_conn import sglang_wait_s
             limit = sglang_wait_s("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
             if time.monotonic() - self.created > limit:
                 self.errors.append(f"room {self.room}: no decode rank asked for the KV in {limit:g} s")
@@ -272,7 +275,6 @@ class XferKVReceiver(BaseKVReceiver):
                     self.fail(f"prefill rank {peer} is unreachable: {why}")
                     break
             else:
-                from .sglang_conn import sglang_wait_s
                 limit = sglang_wait_s("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
                 if time.monotonic() - self.since > limit:
                     self.fail(f"no result from the prefill side within {limit:g} s")
