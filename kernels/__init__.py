@@ -5,7 +5,7 @@
 pinned host memory; ``BoundCopy`` does the same between two fixed caches (a registered region and
 a peer's, or a staging slot), checked once, each call then only uploading its block ids. Copies
 touching CUDA memory run by the Triton kernel or by the copy engines
-(``path=``/``XFER_COPY_PATH``: kernel, batch, 2d, auto; see :mod:`xfer.kernels._dispatch` and
+(``path=``/``XFER_COPY_PATH``: kernel, batch, 2d, auto; see :mod:`xfer.kernels._dispatch`, :mod:`xfer.kernels.paths` and
 :mod:`xfer.kernels.copy_engine`). Triton is imported only when a kernel runs (CI imports xfer
 without a GPU).
 """

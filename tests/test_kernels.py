@@ -1055,7 +1055,7 @@ def test_functional_copies_reuse_a_sides_checks_only_for_the_same_tensor_objects
     ``id()``, which a new tensor may reuse): the same objects hit; equal-looking new objects, or
     the same objects in another order, are checked afresh; the memory keeps the newest 32; bytes
     move right either way."""
-    from xfer.kernels import _dispatch as d
+    from xfer.kernels import sides as d
 
     src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3)  # one tensor a layer
     dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3, fill="poison")
