@@ -166,12 +166,15 @@ def test_bad_arguments(pair):
     assert_untouched(pair.lb, pair.tb, [2])
 
 
-def _stall_notifications(agent, seconds):
-    """Make ``agent`` sit on notify messages, as a frozen peer would."""
+GRACE = AgentConfig().settings.fence.grace_s  # a stop waits this long for the peer's reply to its notice
+
+
+def _stall_notifications(agent, seconds, kind="notify"):
+    """Make ``agent`` sit on ``kind`` messages (notices, grant requests), as a frozen peer would."""
     original = agent._handle
 
     def slow(header, payload):
-        if header.get("type") == "notify":
+        if header.get("type") == kind:
             time.sleep(seconds)
         return original(header, payload)
 
@@ -179,19 +182,26 @@ def _stall_notifications(agent, seconds):
 
 
 def test_deadline_expires_with_typed_error(pair):
+    """The deadline passes while the peer sits on the notice: the transfer reads STOPPING, waits
+    up to the fence grace for the peer's reply, then TIMED_OUT; the peer, answering the notice
+    after the deadline, refuses it (late): nothing is delivered."""
     _stall_notifications(pair.b, 3.0)
     start = time.monotonic()
     t = pair.a.write(pair.peer, [0, 1], [2, 3], timeout=0.5)
     with pytest.raises(TransferTimeoutError, match="deadline"):
         t.wait()
-    assert time.monotonic() - start < 0.5 + 0.5
-    assert t.poll() is TransferState.TIMED_OUT
+    assert time.monotonic() - start < 0.5 + GRACE + 0.5
+    assert t.poll() is TransferState.TIMED_OUT and t.fence_time is not None and t.fence_time < GRACE + 0.5
+    time.sleep(3.2 - (time.monotonic() - start))
+    assert pair.b.notifications() == []  # the late notice was refused
 
 
 def test_unwatched_transfer_still_ends_at_its_deadline(pair):
     _stall_notifications(pair.b, 2.0)
     t = pair.a.write(pair.peer, [0], [0], timeout=0.3)
     time.sleep(0.4)
+    assert t.poll() is TransferState.STOPPING and isinstance(t.error, TransferTimeoutError) and not t.done()
+    time.sleep(GRACE + 0.2)
     assert t.poll() is TransferState.TIMED_OUT and isinstance(t.error, TransferTimeoutError)
 
 
@@ -205,14 +215,28 @@ def test_wait_timeout_shorter_than_deadline(pair):
 
 
 def test_cancel(pair):
-    _stall_notifications(pair.b, 1.0)
+    """A cancel before the copy (the peer sits on the grant): STOPPING, then CANCELLED once the
+    grant came back and was given back; nothing was copied or delivered."""
+    _stall_notifications(pair.b, 1.0, kind="grant")
     t = pair.a.write(pair.peer, [0], [0], timeout=10)
     time.sleep(0.1)
-    assert t.cancel() is True and t.cancel() is False
+    assert t.cancel() is True and t.cancel() is False and t.poll() is TransferState.STOPPING
     with pytest.raises(TransferCancelledError):
         t.wait()
-    assert t.poll() is TransferState.CANCELLED
+    assert t.poll() is TransferState.CANCELLED and 0.5 < t.fence_time < 1.5
+    assert_untouched(pair.lb, pair.tb, []) or pair.b.notifications() == []
+    assert len(pair.b._grants) == 0  # the grant was ended before the transfer read CANCELLED
 
+
+def test_cancel_during_the_notice_ends_done_when_the_peer_delivered(pair):
+    """A stop that reaches the transfer while its notice is with the peer: the peer delivered it
+    (its deadline is far), so the transfer reads DONE, never CANCELLED with a delivered notice."""
+    _stall_notifications(pair.b, 0.5)
+    t = pair.a.write(pair.peer, [0], [0], timeout=10, notify=b"n")
+    time.sleep(0.2)
+    assert t.cancel() is True and t.poll() is TransferState.STOPPING
+    assert t.wait() is TransferState.DONE and t.error is None
+    assert [n.payload for n in pair.b.notifications()] == [b"n"]
 
 def test_route_is_reported_and_pinning_never_falls_back(pair):
     sel = pair.a.route(pair.peer)
@@ -237,12 +261,18 @@ def test_closed_agent_refuses_everything(pair):
 
 
 def test_close_ends_inflight_transfers(pair):
-    _stall_notifications(pair.b, 1.0)
+    """close() stops what is in flight and returns once every transfer ended; one whose notice the
+    peer delivered meanwhile reads DONE, any other CANCELLED, and nothing is delivered after."""
+    _stall_notifications(pair.b, 1.0, kind="grant")
     t = pair.a.write(pair.peer, [0], [0], timeout=10)
+    time.sleep(0.1)
     pair.a.close()
-    assert t.poll().terminal and t.poll() is not TransferState.DONE
+    assert t.poll() is TransferState.CANCELLED
     with pytest.raises(AgentClosedError):
         t.wait()
+    time.sleep(1.2)
+    assert pair.b.notifications() == [] and len(pair.b._grants) == 0
+    assert_untouched(pair.lb, pair.tb, [])
 
 
 def test_concurrent_transfers_from_threads(pair):
@@ -370,14 +400,14 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
 
     sizes, real_single, real_batch = [], completion.notify_peer, completion.notify_peer_batch
 
-    def slow_single(job, sender):  # a slow first round trip lets the burst queue up behind it
+    def slow_single(job, *args):  # a slow first round trip lets the burst queue up behind it
         time.sleep(0.05)
         sizes.append(1)
-        return real_single(job, sender)
+        return real_single(job, *args)
 
-    def batch(jobs, sender):
+    def batch(jobs, *args):
         sizes.append(len(jobs))
-        return real_batch(jobs, sender)
+        return real_batch(jobs, *args)
 
     monkeypatch.setattr(completion, "notify_peer", slow_single)
     monkeypatch.setattr(completion, "notify_peer_batch", batch)
@@ -405,15 +435,16 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
         pair.b._handle({**header, "batch": header["batch"][:1]}, b"abcd")
 
 
-def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair, monkeypatch):
-    """A copy queued on a stream is launched by the posting thread when nothing posted earlier
-    waits to launch; otherwise it queues behind, and launches stay in posting order (three writes
-    of one destination block from different sources: the last one's bytes are what remain)."""
+def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(pair, monkeypatch):
+    """Every copy waits for the peer's grant, asked by the worker thread (never the posting one):
+    a post returns at once whatever is queued, jobs queued together are granted in one message,
+    and launches keep posting order (three writes of one destination block from different
+    sources: the last one's bytes are what remain)."""
+    from xfer.transports import completion
     from xfer.transports.onesided import transport as onesided
-    from xfer.transports.onesided.local import LocalTransport
 
-    launched, gate, stream = [], threading.Event(), object()
-    real_launch = onesided.OneSidedTransport._launch
+    launched, gate, grants = [], threading.Event(), []
+    real_launch, real_grants = onesided.OneSidedTransport._launch, completion.request_grants
 
     def launch(self, job):
         if job.notify == b"held":
@@ -421,35 +452,37 @@ def test_stream_copies_launch_on_the_posting_thread_and_keep_posting_order(pair,
         launched.append((job.notify, threading.current_thread().name))
         return real_launch(self, job)
 
+    def request(jobs, *args):
+        grants.append(len(jobs))
+        return real_grants(jobs, *args)
+
     monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
-    # CPU tensors with a stream: the copy still runs on the host (no CUDA side), at launch
-    monkeypatch.setattr(LocalTransport, "stream", lambda self, job: None if job.notify == b"held" else stream)
+    monkeypatch.setattr(onesided, "request_grants", request)
     me = threading.current_thread().name
-    pair.a.write(pair.peer, [1], [1], notify=b"inline").wait()
-    assert launched == [(b"inline", me)]
-    held = pair.a.write(pair.peer, [2], [6], notify=b"held")  # a host copy: the worker's, held at launch
+    pair.a.write(pair.peer, [1], [1], notify=b"first").wait()
+    held = pair.a.write(pair.peer, [2], [6], notify=b"held")  # held at launch, on the worker
     t0 = time.monotonic()
-    behind = [pair.a.write(pair.peer, [b], [6], notify=b"behind-%d" % b) for b in (3, 4)]
+    behind = [pair.a.write(pair.peer, [b], [7 - b], notify=b"behind-%d" % b) for b in (3, 4)]
     assert time.monotonic() - t0 < 1.0  # queued behind the held one: the posts did not wait for it
     time.sleep(0.1)
-    assert [n for n, _ in launched] == [b"inline"] and not any(t.poll().terminal for t in [held, *behind])
+    assert [n for n, _ in launched] == [b"first"] and not any(t.poll().terminal for t in [held, *behind])
     gate.set()
     for t in [held, *behind]:
         t.wait()
-    assert [n for n, _ in launched] == [b"inline", b"held", b"behind-3", b"behind-4"]
-    assert all(th != me for _, th in launched[1:])  # the worker launched them, in order
-    assert_blocks_equal(pair.la, pair.ta, [1, 4], pair.lb, pair.tb, [1, 6])  # the last write of block 6 won
-    assert [n.payload for n in pair.b.notifications()] == [b"inline", b"held", b"behind-3", b"behind-4"]
-    pair.a.write(pair.peer, [5], [5], notify=b"again").wait()  # nothing queued: the poster launches again
-    assert launched[-1] == (b"again", me)
-    assert_untouched(pair.lb, pair.tb, [1, 5, 6])
+    assert [n for n, _ in launched] == [b"first", b"held", b"behind-3", b"behind-4"]
+    assert all(th != me for _, th in launched)  # the worker launched them, in order
+    assert sum(grants) == 4 and max(grants) > 1, grants  # jobs queued together: one grant message
+    assert_blocks_equal(pair.la, pair.ta, [1, 2, 3, 4], pair.lb, pair.tb, [1, 6, 4, 3])
+    assert [n.payload for n in pair.b.notifications()] == [b"first", b"held", b"behind-3", b"behind-4"]
+    assert_untouched(pair.lb, pair.tb, [1, 3, 4, 6])
+    assert len(pair.b._grants) == 0  # every grant ended with its notice
 
 
 def test_a_transfer_ends_once_through_complete_or_fail_and_the_exception_names_its_state():
     """Transports end a transfer with ``complete()`` or ``fail(exc)``; ``state_for`` is the one map
     from an exception to a state (deadline TIMED_OUT, cancel or agent closed CANCELLED, anything
     else FAILED; a bug's exception reported as a TransportError); the first ending stands, the
-    cancel hook runs for any ending but DONE, and ``wait()`` returns DONE or raises the error."""
+    cancel hook runs only when a stop begins, and ``wait()`` returns DONE or raises the error."""
     from xfer.errors import PeerDisconnectedError, TransferCancelledError, TransportError
     from xfer.transfer import Transfer, state_for
 
@@ -465,7 +498,7 @@ def test_a_transfer_ends_once_through_complete_or_fail_and_the_exception_names_i
         assert state_for(exc) is state
         t, hooked = transfer(), []
         t.begin(on_cancel=hooked.append)
-        assert t.poll() is TransferState.RUNNING and t.fail(exc) and t.poll() is state and hooked == [t]
+        assert t.poll() is TransferState.RUNNING and t.fail(exc) and t.poll() is state and hooked == []
         assert not t.complete() and not t.fail(TransferTimeoutError("again")) and t.poll() is state
         expected = TransportError if isinstance(exc, ValueError) else type(exc)
         assert type(t.error) is expected and ("a bug" in str(t.error) if expected is TransportError else True)
@@ -476,3 +509,53 @@ def test_a_transfer_ends_once_through_complete_or_fail_and_the_exception_names_i
     t.mark("landed")
     assert t.complete() and not t.fail(PeerDisconnectedError("late")) and hooked == []
     assert t.wait() is TransferState.DONE and t.error is None and "landed" in t.timeline()
+
+
+def test_a_stop_reads_stopping_until_the_transport_fenced_it():
+    """cancel() and the deadline start a stop: STOPPING (non-terminal, ordered between the ended
+    failures and the live states, so min over ranks stays meaningful), the hook runs once, wait()
+    blocks until the transport's fail() (whose own error yields to the stop's cause) or
+    complete() (DONE: the peer was notified), and raises FenceTimeoutError (never a
+    TimeoutError) when the fence bound passes first."""
+    from xfer.errors import FenceTimeoutError, PeerDisconnectedError
+    from xfer.transfer import Transfer
+
+    S = TransferState
+    assert S.FAILED < S.TIMED_OUT < S.CANCELLED < S.STOPPING < S.QUEUED < S.RUNNING < S.DONE
+    assert [s for s in S if s.terminal] == [S.FAILED, S.TIMED_OUT, S.CANCELLED, S.DONE]
+    assert min(S.DONE, S.STOPPING) is S.STOPPING and min(S.STOPPING, S.CANCELLED) is S.CANCELLED
+
+    def transfer(timeout=10.0, fence=5.0):
+        return Transfer(peer="p", op=Op.READ, num_blocks=1, nbytes=8, path="t", timeout=timeout, fence_s=fence)
+
+    t, hooked = transfer(), []
+    t.begin(on_cancel=hooked.append)
+    assert t.cancel() is True and t.cancel() is False and hooked == [t]
+    assert t.poll() is S.STOPPING and not t.done() and t.cancel_requested and isinstance(t.error,
+                                                                                         TransferCancelledError)
+    threading.Timer(0.3, t.fail, args=(PeerDisconnectedError("the fence came by a closed link"),)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransferCancelledError):
+        t.wait()
+    assert 0.25 < time.monotonic() - t0 < 1.0 and t.poll() is S.CANCELLED and 0.25 < t.fence_time < 1.0
+    assert "stopping" in t.timeline() and hooked == [t]
+
+    t = transfer()  # a stop before the transport began: the hook runs when it begins
+    t.cancel()
+    hooked = []
+    t.begin(on_cancel=hooked.append)
+    assert hooked == [t] and t.complete() and t.wait() is S.DONE  # completed first: DONE
+
+    t, hooked = transfer(timeout=0.2, fence=0.4), []  # the deadline starts the stop; nobody fences it
+    t.begin(on_cancel=hooked.append)
+    t0 = time.monotonic()
+    with pytest.raises(FenceTimeoutError, match="quarantined") as info:
+        t.wait()
+    assert not isinstance(info.value, TimeoutError) and 0.55 < time.monotonic() - t0 < 1.2
+    assert t.poll() is S.STOPPING and hooked == [t] and isinstance(t.error, TransferTimeoutError)
+    with pytest.raises(TransferTimeoutError, match="still STOPPING"):
+        transfer_waiting = t
+        transfer_waiting.deadline += 10  # a caller's own short wait says the transfer has not ended
+        transfer_waiting.wait(timeout=0.05)
+    assert t.stop(AgentClosedError("closed")) is False and t.fail(PeerDisconnectedError("x"))
+    assert t.poll() is S.TIMED_OUT

@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,36 +27,13 @@ from .metrics import Metrics
 from .transfer import Notification, Op, Transfer
 from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
-from .transports.base import Job, LocalRegion, PeerHandle, Selection, Transport, TransportContext
+from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
+from .transports.grants import Grants
+from .plan import Plan as _Plan, host_id
 
 __all__ = ["Agent"]
 
 log = logging.getLogger("xfer.agent")
-
-
-def host_id() -> str:
-    """This host's identity for 'same host' decisions: its name and its boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What a post to one (peer, region, peer region, direction) needs, resolved and checked once."""
-
-    local: LocalRegion
-    handle: PeerHandle
-    record: RegionRecord
-    src_layout: KVLayout  # the source side's layout (local for a WRITE, the peer's for a READ)
-    dst_layout: KVLayout
-    transport: Transport
-    kind: str  # the transport's name, the transfer's first ``path``
-    cuda: bool  # the local region is CUDA memory (a post records the caller's stream)
-    block_bytes: int  # bytes of one block, all layers and K/V
 
 
 class Agent:
@@ -87,13 +63,17 @@ class Agent:
         self._plans: dict[tuple, _Plan] = {}
         self._inflight: set[Transfer] = set()
         self._prune_at = 64
-        self._inbox = Inbox(name, self._regions.get)
+        here = host_id()
+        self._grants = Grants(here)  # the target side's holds on blocks peers may write or read
+        self._inbox = Inbox(name, self._regions.get, self._grants, here)
         config = self.config
+        self._fence_s = config.settings.fence.bound_s
         secret = secret_from(config.secret if config.secret is not None else config.settings.secret)
         self._auth = Authenticator(secret) if secret is not None else None
-        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=host_id(), config=self.config,
+        ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=here, config=self.config,
                                log=log, auth=self._auth, region=self._regions.get,
-                               regions=lambda: list(self._regions.values()), deliver=self._inbox.deliver)
+                               regions=lambda: list(self._regions.values()), deliver=self._inbox.deliver,
+                               grants=self._grants)
         self.transports: dict[TransportKind, object] = {}
         self.unavailable: dict[TransportKind, str] = {}
         for kind in PREFERENCE:
@@ -345,7 +325,8 @@ class Agent:
             local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
             n = len(src_ids)
             transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * plan.block_bytes,
-                                path=plan.kind, timeout=float(timeout), observer=self.metrics.ended)
+                                path=plan.kind, timeout=float(timeout), observer=self.metrics.ended,
+                                fence_s=self._fence_s)
             if len(self._inflight) >= self._prune_at:  # amortised: O(1) per post
                 self._inflight = {t for t in self._inflight if not t._state.terminal}
                 self._prune_at = max(64, 2 * len(self._inflight))
@@ -391,6 +372,21 @@ class Agent:
         raise_remote(reply, peer)
 
     # ---- passive side ------------------------------------------------------------------------
+    def revoke(self, blocks, *, region: str | None = None, timeout: float | None = None) -> int:
+        """Take back blocks peers were granted (the destination of their WRITEs, the source of their
+        READs; ``region``: one region, None: every one): returns once no byte of any incoming
+        transfer into (or out of) them can still move, with how many transfers it stopped; no
+        notification of those is delivered from then on (one delivered before is in the inbox).
+        Raises :class:`FenceTimeoutError` after ``timeout`` (default ``settings.fence.bound_s``)
+        when a transfer may still write them (its initiator stopped mid-copy): keep them
+        quarantined and revoke again later."""
+        self._check_open()
+        with self._lock:
+            if region is not None and region not in self._regions:
+                raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
+            regions = list(self._regions.values()) if region is None else [self._regions[region]]
+        return self._grants.revoke(regions, blocks, self._fence_s if timeout is None else timeout)
+
     def notifications(self, peer: str | None = None) -> list[Notification]:
         """Drain the notifications received so far (from ``peer`` only, if given)."""
         return self._inbox.take(peer)
@@ -408,12 +404,9 @@ class Agent:
         kind = header.get("type")
         if kind == "hello":
             return {"ok": True, "agent_id": self.agent_id, "name": self.name}, b""
-        if kind == "notify":
-            return self._inbox.on_notify(header, payload), b""
-        if kind == "notify_batch":
-            return self._inbox.on_batch(header, payload), b""
-        if kind == "message":
-            return self._inbox.on_message(header, payload), b""
+        reply = self._inbox.handle(kind, header, payload)  # grants, notices, messages
+        if reply is not None:
+            return reply, b""
         prefix = kind.split(".", 1)[0] if isinstance(kind, str) and "." in kind else None
         for tkind, transport in self.transports.items():
             if tkind.value == prefix:
@@ -422,16 +415,19 @@ class Agent:
 
     # ---- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel in-flight transfers, close transports and the control port. Idempotent."""
+        """Stop in-flight transfers, close transports (each fences or fails what it carried) and the
+        control port. Idempotent. Once it returned, no byte moves into or out of the regions."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             inflight, self._inflight = self._inflight, set()
         for t in inflight:
-            t.fail(AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
+            t.stop(AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
         for transport in self.transports.values():
             transport.close()
+        for t in inflight:  # the transports' threads are gone: nothing of these moves any more
+            t.fail(AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
         for client in self._clients.values():
             client.close()
         self._server.close()

@@ -22,6 +22,9 @@ __all__ = [
     "PeerDisconnectedError",
     "TransferTimeoutError",
     "TransferCancelledError",
+    "FenceTimeoutError",
+    "BlocksBusyError",
+    "RevokedError",
     "StoreError",
     "StoreTimeoutError",
     "AuthenticationError",
@@ -92,6 +95,23 @@ class TransferTimeoutError(XferError, TimeoutError):
 
 class TransferCancelledError(XferError):
     """The transfer was cancelled by the caller before it completed."""
+
+
+class FenceTimeoutError(TransportError):
+    """A fence could not be confirmed in time: a stopping transfer's bytes may still land, or a
+    revocation found a transfer still able to write the blocks. Keep those blocks quarantined
+    (do not reuse them) until the transfer reads a terminal state or a later revoke succeeds.
+    Deliberately not a TimeoutError: code that frees blocks on a timeout must not catch it."""
+
+
+class BlocksBusyError(XferError):
+    """An incoming transfer names blocks that an earlier transfer, not yet fenced, may still write
+    (or read): refused before any byte moves (retry once the earlier one ended, or revoke it)."""
+
+
+class RevokedError(TransportError):
+    """The peer revoked its grant of the blocks (request aborted, lease over) before the transfer
+    ended: nothing of it is reported complete, and the peer was not notified."""
 
 
 class StoreError(XferError):

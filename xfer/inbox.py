@@ -2,9 +2,21 @@
 and messages), in arrival order, until the caller drains them. One class owns the queue; the
 control server's thread and the transports fill it, the caller's threads take from it.
 
-Notices of one-sided transfers (``notify``, ``notify_batch``) are checked here before anything
-is delivered (:func:`xfer.transports.incoming.check_request`); a batch's notices stand or fail
-one by one.
+The one-sided transports' target side lives here too, on the control server's thread:
+
+- ``grant``: before it copies a byte, an initiator asks for its transfers (one message for
+  several): each is checked here (:func:`xfer.transports.incoming.check_request`: region, layout
+  fingerprint, ids in range and unique where written; its ttl and send time: a late one is
+  refused) and holds its blocks (:class:`xfer.transports.grants.Grants`: a transfer into blocks an
+  unfenced one still holds is refused); the reply names each one's grant or refusal.
+- ``notify`` / ``notify_batch``: once its copy ended, the initiator's notice names its grant; it
+  is delivered only when the grant was not revoked and the notice is not late (its ttl and send
+  time), and either way it ends the grant (the initiator copies nothing more). A notice without a
+  grant (NVSHMEM's reads, whose blocks its read request checked) is checked as before.
+- ``grant_end``: the initiator's transfers stopped or failed after their grants; their copies
+  ended: the grants end, nothing is delivered.
+
+A batch's entries stand or fail one by one.
 """
 
 from __future__ import annotations
@@ -17,20 +29,37 @@ from typing import Callable
 import numpy as np
 
 from .error_codec import error_reply
-from .errors import InvalidArgumentError, TransferTimeoutError, XferError
+from .errors import InvalidArgumentError, NotRegisteredError, RevokedError, TransferTimeoutError, XferError
 from .transfer import Notification, Op
-from .transports.incoming import check_request
+from .transports.incoming import ClockFloor, check_request, check_ttl, local_deadline
 
 __all__ = ["Inbox"]
 
 
 class Inbox:
-    """``name``: the agent's (for messages); ``regions``: its region lookup (name -> region or None)."""
+    """``name``: the agent's (for messages); ``regions``: its region lookup (name -> region or None);
+    ``grants``: the agent's holds (xfer.transports.grants.Grants); ``host``: this host's id."""
 
-    def __init__(self, name: str, regions: Callable):
-        self.name, self._regions = name, regions
+    def __init__(self, name: str, regions: Callable, grants=None, host: str = ""):
+        self.name, self._regions, self._grants, self._host = name, regions, grants, host
         self._notes: collections.deque[Notification] = collections.deque()
         self._cond = threading.Condition()
+        # per initiator (name, pid, host): the least delay of its messages (control-server thread only)
+        self._floors: dict[tuple, ClockFloor] = {}
+
+    def handle(self, kind, header: dict, payload: bytes) -> dict | None:
+        """The reply to a control message this inbox answers, or None when it is not one of them."""
+        if kind == "grant":
+            return self.on_grant(header)
+        if kind == "notify":
+            return self.on_notify(header, payload)
+        if kind == "notify_batch":
+            return self.on_batch(header, payload)
+        if kind == "grant_end":
+            return self.on_grant_end(header)
+        if kind == "message":
+            return self.on_message(header, payload)
+        return None
 
     def deliver(self, note: Notification) -> None:
         with self._cond:
@@ -68,17 +97,99 @@ class Inbox:
         with self._cond:
             self._cond.notify_all()
 
-    # ---- peers' notices ----------------------------------------------------------------------
-    def notice(self, sender, entry: dict, payload: bytes) -> Notification:
-        """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes."""
+    # ---- peers' grants and notices -------------------------------------------------------------
+    def _late(self, header: dict, entry: dict, what: str) -> float:
+        """How long past its peer's usual delay ``entry`` (with ``ttl`` and ``sent``) arrived; a
+        malformed time is refused (InvalidArgumentError)."""
+        sent = entry.get("sent")
+        check_ttl(entry.get("ttl"), sent, what=what)
+        if sent is None:
+            raise InvalidArgumentError(f"{what} carries no send time")
+        who = (str(header.get("from")), header.get("pid"), header.get("host"))
+        floor = self._floors.get(who)
+        if floor is None:
+            if len(self._floors) >= 4096:
+                self._floors.clear()
+            now = time.monotonic()  # a peer on this host shares this monotonic clock: its first wait counts
+            floor = self._floors[who] = ClockFloor(0.0 if who[2] == self._host else None, now)
+        return floor.delay(float(sent), time.monotonic())
+
+    def on_grant(self, header: dict) -> dict:
+        """Check and hold each transfer of a ``grant`` request; ``grants``: index -> id, ``failed``:
+        index -> error."""
+        entries = header.get("transfers")
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+            raise InvalidArgumentError("grant carries no list of transfers")
+        sender, pid, host = str(header.get("from")), header.get("pid"), header.get("host")
+        pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+        granted, failed = {}, {}
+        for i, e in enumerate(entries):
+            try:
+                op = Op(e.get("op"))
+                if op is Op.MESSAGE:
+                    raise InvalidArgumentError("a grant is for a WRITE or a READ")
+                what = f"transfer {e.get('transfer_id')} from {sender!r}"
+                region, ids = check_request(self._regions, region=e.get("region"), op=op, ids=e.get("blocks"),
+                                            what="granted block ids", agent=f"agent {self.name!r}", initiator=sender,
+                                            fingerprint=e.get("fingerprint"))
+                local_deadline(e.get("ttl"), self._late(header, e, what), time.monotonic(), what=what)
+                hold = self._grants.hold(region, ids, writes=op is Op.WRITE, peer=sender,
+                                         tid=str(e.get("transfer_id")), pid=pid, host=str(host))
+                granted[str(i)] = hold.id
+            except XferError as exc:
+                failed[str(i)] = error_reply(exc)
+            except (TypeError, ValueError) as exc:
+                failed[str(i)] = error_reply(InvalidArgumentError(f"malformed grant request: {exc}"))
+        return {"ok": True, "grants": granted, "failed": failed}
+
+    def on_grant_end(self, header: dict) -> dict:
+        """The initiator's granted transfers ended without a notice; their copies are over."""
+        ids = header.get("grants")
+        if not isinstance(ids, list):
+            raise InvalidArgumentError("grant_end carries no list of grants")
+        sender, tids = str(header.get("from")), header.get("tids")
+        with self._grants.closing():
+            for hid in ids[:4096]:
+                self._grants.take_locked(hid, sender)
+            if isinstance(tids, list):  # the grant's reply was lost: named by transfer id
+                self._grants.end_transfers(sender, {str(t) for t in tids[:4096]})
+        return {"ok": True}
+
+    def _check_notice(self, sender, entry: dict, payload: bytes):
+        """(the notification a peer's notice describes, its grant's hold or None): checked, not
+        delivered. A notice naming a grant ends it, delivered or not."""
         op = Op(entry.get("op"))
-        region, ids = check_request(self._regions, region=entry.get("region"), op=op, ids=entry.get("blocks"),
-                                    what="notified block ids", agent=f"agent {self.name!r}")
-        return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op, region=region.name,
-                            blocks=ids, payload=payload)
+        if "grant" not in entry:
+            region, ids = check_request(self._regions, region=entry.get("region"), op=op, ids=entry.get("blocks"),
+                                        what="notified block ids", agent=f"agent {self.name!r}")
+            return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op,
+                                region=region.name, blocks=ids, payload=payload)
+        hold = self._grants.take_locked(entry["grant"], str(sender))
+        if hold is None:
+            raise NotRegisteredError(f"agent {self.name!r} holds no grant {entry['grant']!r} of {sender!r} (ended, "
+                                     f"or never granted)")
+        if hold.revoked:
+            raise RevokedError(f"agent {self.name!r} revoked its blocks of transfer {hold.tid} before its notice "
+                               f"came: not delivered")
+        if hold.region is not self._regions(hold.region.name):
+            raise NotRegisteredError(f"region {hold.region.name!r} was deregistered")
+        return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op,
+                            region=hold.region.name, blocks=hold.ids, payload=payload)
+
+    def notice(self, header: dict, entry: dict, payload: bytes) -> Notification:
+        """The notification a peer's notice (``notify`` header or one ``notify_batch`` entry) describes,
+        once it passed its checks (its grant and its time: a late notice is refused)."""
+        sender = header.get("from")
+        what = f"the notice of transfer {entry.get('transfer_id')} from {sender!r}"
+        with self._grants.closing():  # the revoked check and the delivery in one step
+            note = self._check_notice(sender, entry, payload)  # ends its grant, delivered or not
+            if "ttl" in entry or "sent" in entry:
+                local_deadline(entry.get("ttl"), self._late(header, entry, what), time.monotonic(), what=what)
+            self.deliver(note)
+        return note
 
     def on_notify(self, header: dict, payload: bytes) -> dict:
-        self.deliver(self.notice(header.get("from"), header, payload))
+        self.notice(header, header, payload)
         return {"ok": True}
 
     def on_batch(self, header: dict, payload: bytes) -> dict:
@@ -89,17 +200,15 @@ class Inbox:
         sizes = [e.get("payload_bytes") for e in entries]
         if not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(payload):
             raise InvalidArgumentError(f"notify_batch payload sizes {sizes} do not add up to {len(payload)} bytes")
-        notes, failed, off = [], {}, 0
+        failed, off = {}, 0
         for i, (entry, n) in enumerate(zip(entries, sizes)):
             try:
-                notes.append(self.notice(header.get("from"), entry, payload[off:off + n]))
+                self.notice(header, entry, payload[off:off + n])
             except XferError as exc:
                 failed[str(i)] = error_reply(exc)
             except (TypeError, ValueError) as exc:
                 failed[str(i)] = error_reply(InvalidArgumentError(f"malformed notice: {exc}"))
             off += n
-        for note in notes:
-            self.deliver(note)
         return {"ok": True, "failed": failed}
 
     def on_message(self, header: dict, payload: bytes) -> dict:

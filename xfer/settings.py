@@ -20,7 +20,8 @@ from typing import Mapping
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "CopySettings", "OneSidedSettings", "SglangSettings",
+__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "CopySettings", "OneSidedSettings", "FenceSettings",
+           "SglangSettings",
            "EngineSettings", "TUNED_UCX", "FOREIGN", "current", "reload", "render_markdown", "parse_bytes"]
 
 
@@ -29,7 +30,7 @@ class Knob:
     """One setting: ``env`` overrides ``default``; ``group.field`` is where it is held."""
 
     env: str
-    group: str  # the Settings attribute (ucx, copy, onesided, agent, sglang, engine) or "bench"
+    group: str  # the Settings attribute (ucx, copy, onesided, fence, agent, sglang, engine) or "bench"
     field: str
     kind: str  # int (K/M suffixes allowed), bytes (same), bool, float, str, list (comma-separated)
     default: object
@@ -41,6 +42,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("XFER_SECRET", "agent", "secret", "str", None, "",
          "the deployment's shared secret (>= 16 bytes), AgentConfig.secret's default: metadata and every control "
          "message are signed and checked; unset: off"),
+    Knob("XFER_FENCE_GRACE_S", "fence", "grace_s", "float", 1.0, "s",
+         "a stopping transfer waits this long for its peer's confirmation (ucx: that it dropped the flow; local, "
+         "ipc: the reply to its last notice) before ucx closes the connection to end the flow's receives"),
+    Knob("XFER_FENCE_BOUND_S", "fence", "bound_s", "float", 5.0, "s",
+         "how long past its deadline Transfer.wait() waits for a stopping transfer's fence before raising "
+         "FenceTimeoutError (keep its blocks quarantined), and Agent.revoke's default timeout"),
     Knob("XFER_COPY_PATH", "copy", "path", "str", None, "kernel|batch|2d|auto",
          "how copies touching CUDA memory move (Triton kernel, cudaMemcpyBatchAsync, cudaMemcpy2DAsync, or auto "
          "by the copy table); AgentConfig.copy_path's default; unset: auto"),
@@ -251,6 +258,22 @@ class OneSidedSettings:
 
 
 @dataclass(frozen=True)
+class FenceSettings:
+    """How long a stop may take to be fenced (see ``xfer.transfer.Transfer``)."""
+
+    grace_s: float = 1.0
+    bound_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("grace_s", "bound_s"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"),
+                   f"fence.{name} must be a finite number of seconds > 0, got {value!r}")
+        _check(self.bound_s > self.grace_s, f"fence.bound_s ({self.bound_s}) must exceed fence.grace_s "
+                                            f"({self.grace_s}): a stop ended by closing the connection needs both")
+
+
+@dataclass(frozen=True)
 class SglangSettings:
     """The SGLang connector's knobs (``xfer.engine.sglang_conn``)."""
 
@@ -265,8 +288,8 @@ class EngineSettings:
     tp_backend: str = "gloo"
 
 
-_GROUPS = {"ucx": UcxSettings, "copy": CopySettings, "onesided": OneSidedSettings, "sglang": SglangSettings,
-           "engine": EngineSettings}
+_GROUPS = {"ucx": UcxSettings, "copy": CopySettings, "onesided": OneSidedSettings, "fence": FenceSettings,
+           "sglang": SglangSettings, "engine": EngineSettings}
 
 
 @dataclass(frozen=True)
@@ -276,6 +299,7 @@ class Settings:
     ucx: UcxSettings = field(default_factory=UcxSettings)
     copy: CopySettings = field(default_factory=CopySettings)
     onesided: OneSidedSettings = field(default_factory=OneSidedSettings)
+    fence: FenceSettings = field(default_factory=FenceSettings)
     sglang: SglangSettings = field(default_factory=SglangSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     secret: str | None = field(default=None, repr=False)

@@ -102,6 +102,7 @@ class Job:
     peer_ids: np.ndarray
     notify: bytes = b""
     ready: object = None  # torch.cuda.Event | None
+    grant: int | None = None  # one-sided: the peer's grant of its blocks (xfer.transports.grants)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ class TransportContext:
     ``region(name)`` returns a registered local region or None; two-sided transports use it to
     land incoming blocks; ``regions()`` lists them. ``deliver(notification)`` hands a completed
     incoming transfer to the agent (checked block ids, payload); call it only once every byte has
-    landed.
+    landed. ``grants`` (:class:`xfer.transports.grants.Grants`): the target side's holds on the
+    blocks of incoming transfers; a transport takes one before any byte of an incoming transfer
+    moves and ends it once none can land any more (the agent's ``revoke`` waits for that).
     """
 
     agent_name: str
@@ -135,6 +138,7 @@ class TransportContext:
     region: Callable = lambda name: None  # (str) -> LocalRegion | None
     regions: Callable = lambda: []  # () -> list[LocalRegion]
     deliver: Callable = lambda notification: None  # (Notification) -> None
+    grants: object = None  # xfer.transports.grants.Grants
 
 
 class Transport(ABC):
@@ -143,9 +147,12 @@ class Transport(ABC):
     Life cycle: ``probe`` (class-level: usable in this process?) → ``__init__`` →
     ``export_region`` for each registered region (what peers need to reach it) →
     ``check_route`` per (local region, peer region, op) → ``post`` jobs → ``disconnect`` /
-    ``close``. ``post`` must return quickly and end every job's transfer by its deadline with exactly one
-    ``transfer.complete()`` or ``transfer.fail(exc)``, once none of its bytes can land any more;
-    blocks are reported complete only once all their bytes have landed.
+    ``close``. ``post`` must return quickly and end every job's transfer by its deadline (plus its
+    fence bound) with exactly one ``transfer.complete()`` or ``transfer.fail(exc)``, made once none
+    of its bytes can land any more, on either side (the fence: see ``xfer.transfer.Transfer``);
+    blocks are reported complete only once all their bytes have landed and the peer was notified.
+    A stop (cancel, deadline) reaches the transport through ``Transfer.begin``'s ``on_cancel`` hook
+    or ``cancel_requested``.
     """
 
     kind: ClassVar[TransportKind]

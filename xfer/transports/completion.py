@@ -1,18 +1,38 @@
-"""How a transfer ends when the initiator moved the bytes itself (the one-sided transports, and
-NVSHMEM's reads and empty transfers): it tells the peer which of its blocks were written or read,
-over the agents' control channel, and completes once the peer acknowledged; a refusal or a lost
-notice fails it. The peer never hears of blocks that did not fully land.
+"""How a transfer starts and ends when the initiator moves the bytes itself (the one-sided
+transports, and NVSHMEM's reads and empty transfers), over the agents' control channel:
+
+- before any byte moves it asks the peer for a grant of its transfers (:func:`request_grants`,
+  one message for several): the peer checks region, layout fingerprint, ids and the request's
+  age, and holds the blocks (a refused one moves nothing);
+- once its copy ended it tells the peer which of its blocks were written or read, naming the grant
+  and its time to live, and completes once the peer acknowledged (the peer delivered the
+  notification); a refusal or a lost notice fails it. The peer never hears of blocks that did not
+  fully land, of a transfer it revoked, nor of one whose notice came past its deadline;
+- a transfer that stopped or failed after its grant ends it (:func:`end_grants`) once its copy
+  ended, so the peer's blocks are free for the next writer.
+
+A notice waits for the peer's reply up to ``grace`` past the transfer's deadline: a stop reached
+during it is the peer's answer (DONE where it delivered, else the stop's state).
 
 Transfers end only through :meth:`~xfer.transfer.Transfer.complete` / ``fail``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import time
+
 from .. import errors
 from ..error_codec import reply_error
 from .base import Job
 
-__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified"]
+__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "end_grants"]
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(layout) -> str:
+    return layout.fingerprint_hash()
 
 
 def raise_remote(reply: dict, peer: str) -> None:
@@ -23,24 +43,34 @@ def raise_remote(reply: dict, peer: str) -> None:
 
 
 def _notice(job: Job) -> dict:
-    return {"transfer_id": job.transfer.id, "op": job.op.value, "region": job.peer_region.name,
-            "blocks": job.peer_ids.tolist()}
+    now = time.monotonic()
+    out = {"transfer_id": job.transfer.id, "op": job.op.value, "region": job.peer_region.name,
+           "ttl": max(job.transfer.deadline - now, 0.0), "sent": now}
+    if job.grant is None:  # NVSHMEM's reads, empty transfers: the notice names the blocks
+        out["blocks"] = job.peer_ids.tolist()
+    else:  # the peer holds the blocks it checked under the grant
+        out["grant"] = job.grant
+    return out
 
 
-def notify_peer(job: Job, sender: str) -> None:
+def _who(sender: str, host: str) -> dict:
+    return {"from": sender, "pid": os.getpid(), "host": host}
+
+
+def notify_peer(job: Job, sender: str, host: str = "", grace: float = 0.0) -> None:
     """Tell the peer which of its blocks this transfer wrote or read; return once it acknowledged."""
-    reply, _ = job.peer.request({"type": "notify", "from": sender, **_notice(job)}, job.notify,
-                                deadline=job.transfer.deadline)
+    reply, _ = job.peer.request({"type": "notify", **_who(sender, host), **_notice(job)}, job.notify,
+                                deadline=job.transfer.deadline + grace)
     raise_remote(reply, job.peer.name)
 
 
-def notify_peer_batch(jobs: list[Job], sender: str) -> list[errors.XferError | None]:
+def notify_peer_batch(jobs: list[Job], sender: str, host: str = "", grace: float = 0.0) -> list[errors.XferError | None]:
     """Notices of several transfers to one peer in one message (``notify_batch``); returns each
     one's refusal (None: delivered). Raises when the peer refused or missed the whole message."""
-    header = {"type": "notify_batch", "from": sender,
+    header = {"type": "notify_batch", **_who(sender, host),
               "batch": [{**_notice(j), "payload_bytes": len(j.notify)} for j in jobs]}
     reply, _ = jobs[0].peer.request(header, b"".join(j.notify for j in jobs),
-                                    deadline=min(j.transfer.deadline for j in jobs))
+                                    deadline=min(j.transfer.deadline for j in jobs) + grace)
     name = jobs[0].peer.name
     raise_remote(reply, name)
     failed = reply.get("failed") or {}
@@ -48,17 +78,56 @@ def notify_peer_batch(jobs: list[Job], sender: str) -> list[errors.XferError | N
             for i in range(len(jobs))]
 
 
-def complete_notified(batch: list[Job], sender: str) -> None:
+def request_grants(jobs: list[Job], sender: str, host: str) -> list[errors.XferError | None]:
+    """Ask the peer (one, ``jobs[0].peer``) to grant every job's blocks, in one message; set each
+    granted job's ``grant`` and return each one's refusal (None: granted). Raises when the message
+    itself failed (then nothing was granted, or :func:`end_grants` by transfer id ends it)."""
+    now = time.monotonic()
+    header = {"type": "grant", **_who(sender, host), "transfers": [
+        {"transfer_id": j.transfer.id, "op": j.op.value, "region": j.peer_region.name,
+         "blocks": j.peer_ids.tolist(), "fingerprint": _fingerprint(j.peer_region.layout),
+         "ttl": max(j.transfer.deadline - now, 0.0), "sent": now} for j in jobs]}
+    reply, _ = jobs[0].peer.request(header, deadline=min(j.transfer.deadline for j in jobs))
+    name = jobs[0].peer.name
+    raise_remote(reply, name)
+    granted, failed = reply.get("grants") or {}, reply.get("failed") or {}
+    out = []
+    for i, job in enumerate(jobs):
+        hid = granted.get(str(i))
+        if isinstance(hid, int) and not isinstance(hid, bool):
+            job.grant = hid
+            out.append(None)
+        else:
+            out.append(reply_error({"ok": False, **failed[str(i)]}, name) if str(i) in failed else
+                       errors.TransportError(f"peer {name!r} answered no grant for transfer {job.transfer.id}"))
+    return out
+
+
+def end_grants(jobs: list[Job], sender: str, deadline: float, by_id: bool = False) -> None:
+    """The jobs' transfers (one peer) stopped or failed after their grants, their copies ended:
+    the peer ends their grants (``by_id``: named by transfer id, where the grant reply was lost).
+    Raises when the message failed (the caller retries)."""
+    header = {"type": "grant_end", "from": sender, "grants": [j.grant for j in jobs if j.grant is not None]}
+    if by_id:
+        header["tids"] = [j.transfer.id for j in jobs]
+    reply, _ = jobs[0].peer.request(header, deadline=deadline)
+    raise_remote(reply, jobs[0].peer.name)
+
+
+def complete_notified(batch: list[Job], sender: str, host: str = "", grace: float = 0.0, ended=None) -> None:
     """Notify the peer of every job of ``batch`` (one peer; one message, ``notify_batch``, for
     several), then end each transfer: DONE once acknowledged, failed where the peer refused its
-    notice, every one failed when the message itself failed."""
+    notice (which ended its grant), every one failed when the message itself failed (after
+    ``ended(jobs)``: the caller ends their grants)."""
     try:
         if len(batch) == 1:
-            notify_peer(batch[0], sender)
+            notify_peer(batch[0], sender, host, grace)
             refused = [None]
         else:
-            refused = notify_peer_batch(batch, sender)
+            refused = notify_peer_batch(batch, sender, host, grace)
     except BaseException as exc:  # noqa: BLE001 - every failure ends the transfers
+        if ended is not None:
+            ended(batch)
         for job in batch:
             job.transfer.fail(exc)
         return

@@ -1,13 +1,17 @@
 """Shared machinery of the one-sided transports (``local``, ``ipc``, NVSHMEM's direct path): the
-initiator maps the peer's base tensors once, runs ``copy_blocks`` between them, then notifies the
-peer over the control channel and completes when the peer acknowledges. The peer is never told
-about blocks that were not fully written.
+initiator maps the peer's base tensors once, asks the peer for a grant of the transfer's blocks
+(the peer checks region, layout, ids and the request's age, and holds the blocks: see
+:mod:`xfer.transports.completion`), runs ``copy_blocks`` between them, then notifies the peer over
+the control channel and completes when the peer acknowledges. The peer is never told about blocks
+that were not fully written, and no byte moves before its grant.
 
-Copies queued on a CUDA stream are launched by the posting thread itself when nothing posted
-earlier is still waiting to launch (a launch is asynchronous and takes ~0.1 ms of host time;
-handing it to a thread costs a wake-up and, under load, the GIL); otherwise, and for copies
-that run on the host in chunks (checking the deadline, cancellation and the peer's liveness
-between chunks), a worker thread launches them in posting order."""
+A worker thread takes the posted jobs in order, asks for the grants of every job queued to one
+peer in one message, then launches their copies: queued on a CUDA stream (a launch returns at
+once), or run on the host in chunks, checking between chunks for a stop (cancel, deadline) and the
+peer's liveness. A completer thread waits for each job's copy, then notifies the peer (several
+jobs to one peer in one message under load). A stopped job is fenced once its copy ended (the
+chunk in flight, or the kernels queued on the stream); it then ends its grant at the peer (retried
+until the peer hears it) and reports the stop."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from ...shm import pid_alive
 from ...transfer import Op
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
-from ..completion import complete_notified
+from ..completion import complete_notified, end_grants, request_grants
 
 __all__ = ["OneSidedTransport"]
 
@@ -56,11 +60,10 @@ class OneSidedTransport(Transport):
         # the local region (its state), under (this kind, peer agent id, peer region, is a write)
         self._key = self.kind.value
         self._closed = False
-        self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
-        self._queued = 0  # jobs handed to the worker and not launched yet (under _order)
-        # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread (the
-        # posting thread then never runs a launch, e.g. one that opens a new peer's IPC handles)
-        self._inline = ctx.config.settings.onesided.launch_inline
+        self._order = threading.Lock()  # a post and close agree on whether the transport still takes jobs
+        self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
+        self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
+        self._grace = ctx.config.settings.fence.grace_s
         config = ctx.config  # the copy path asked for: AgentConfig's, else the settings' (XFER_COPY_PATH)
         self._copy_request = config.copy_path if config.copy_path is not None else config.settings.copy.path
         self._done: queue.Queue = queue.Queue()
@@ -84,10 +87,6 @@ class OneSidedTransport(Transport):
             if self._closed:
                 job.transfer.fail(TransportError(f"{self.kind.value} transport is closed"))
                 return
-            if self._inline and self._queued == 0 and self._launches_async(job):
-                self._start(job)  # on this thread: nothing posted earlier waits to launch
-                return
-            self._queued += 1
             self._jobs.put(job)
 
     def _launches_async(self, job: Job) -> bool:
@@ -109,7 +108,7 @@ class OneSidedTransport(Transport):
         region.state.drop(lambda k: k[0] == mine)
 
     def close(self) -> None:
-        with self._order:  # a launch on a posting thread ends (its job reaches the completer) first
+        with self._order:
             if self._closed:
                 return
             self._closed = True
@@ -141,34 +140,59 @@ class OneSidedTransport(Transport):
                                         f"reports no block complete")
 
     def _run(self) -> None:
-        """Launcher: queue each job's copies, then hand it to the completer and take the next job,
-        so the copy of one transfer overlaps the completion round trip of the previous one."""
+        """Worker: take the posted jobs in order (every one queued now), ask each peer for their
+        grants in one message, launch the granted jobs' copies and hand them to the completer, so
+        the copy of one transfer overlaps the completion round trip of the previous one."""
         while True:
-            job = self._jobs.get()
-            if job is None:
+            batch, last = [self._jobs.get()], False
+            while batch[-1] is not None and len(batch) < BATCH_MAX:
+                try:
+                    batch.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is None:
+                batch.pop()
+                last = True
+            for job in self._granted(batch):
+                self._start(job)
+            if last:
                 self._done.put(None)
                 return
-            if self._launches_async(job):
-                with self._order:
-                    self._queued -= 1
-                    self._start(job)
-            else:  # a copy on this thread may take long: posts queue behind it without waiting for it
-                self._start(job)
-                with self._order:
-                    self._queued -= 1
+
+    def _granted(self, batch: list[Job]) -> list[Job]:
+        """The jobs of ``batch`` the peers granted (in order); the others are ended, nothing moved."""
+        by_peer = {}
+        for job in batch:
+            t = job.transfer
+            if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
+                t.fail(t.error)
+                continue
+            t.begin()
+            by_peer.setdefault(id(job.peer), []).append(job)
+        for jobs in by_peer.values():
+            try:
+                self._check_alive(jobs[0])
+                refused = request_grants(jobs, self.ctx.agent_name, self.ctx.host_id)
+            except BaseException as exc:  # noqa: BLE001 - the message failed: maybe granted, its reply lost
+                self._end_later(jobs, by_id=True)
+                for job in jobs:
+                    self._fail(job, exc)
+                continue
+            for job, error in zip(jobs, refused):
+                if error is not None:
+                    self._fail(job, error)
+                else:
+                    job.transfer.mark("granted")
+        return [job for job in batch if job.grant is not None]
 
     def _start(self, job: Job) -> None:
-        """Launch the job's copies and hand it to the completer (a stream launch holds ``_order``)."""
-        if job.transfer.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
-            job.transfer.fail(job.transfer.error)
-            return
-        job.transfer.begin()
+        """Launch the job's copies and hand it to the completer."""
         job.transfer.mark("started")
         try:
             event = self._launch(job)
             job.transfer.mark("launched")
             self._done.put((job, event))
-        except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
+        except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer (its copy ended)
             self._fail(job, exc)
 
     def _complete(self) -> None:
@@ -177,9 +201,16 @@ class OneSidedTransport(Transport):
         (``notify_batch``): under load one round trip serves several transfers."""
         carry = _NOTHING
         while True:
-            item = self._done.get() if carry is _NOTHING else carry
-            carry = _NOTHING
+            if carry is not _NOTHING:
+                item, carry = carry, _NOTHING
+            else:
+                try:
+                    item = self._done.get(timeout=0.25 if self._ends else None)
+                except queue.Empty:
+                    self._retry_ends()
+                    continue
             if item is None:
+                self._retry_ends(final=True)
                 return
             job, event = item
             if not self._copied(job, event):
@@ -195,7 +226,9 @@ class OneSidedTransport(Transport):
                     break
                 if self._copied(*nxt):
                     batch.append(nxt[0])
-            complete_notified(batch, self.ctx.agent_name)
+            complete_notified(batch, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
+            if self._ends:
+                self._retry_ends()
 
     def _batches(self, job: Job) -> bool:
         return bool((job.peer.metadata.transports.get(self.kind.value) or {}).get("notify_batch"))
@@ -224,9 +257,46 @@ class OneSidedTransport(Transport):
             return False
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        """End ``job`` with ``exc`` once its copy ended (the caller's promise): its grant first, so
+        the peer's blocks are free for the next writer when the transfer reads ended."""
         if not isinstance(exc, XferError):  # never leave a transfer hanging on a bug
             exc = TransportError(f"{self.kind.value} transport failed: {exc!r}")
+        if job.grant is not None:
+            try:
+                end_grants([job], self.ctx.agent_name, time.monotonic() + self._grace)
+            except BaseException:  # noqa: BLE001 - retried until the peer hears it
+                self._end_later([job])
         job.transfer.fail(exc)
+
+    def _end_later(self, jobs: list[Job], by_id: bool = False) -> None:
+        """Grants of ``jobs`` (one peer) to end by a later message (the last one failed)."""
+        if by_id or any(j.grant is not None for j in jobs):
+            with self._ends_lock:
+                self._ends.append((time.monotonic() + 0.2, jobs, by_id))
+
+    def _retry_ends(self, final: bool = False) -> None:
+        """Send the grant ends that are due (at close: once more, whatever the outcome)."""
+        with self._ends_lock:
+            due, self._ends = self._ends, []
+        now, keep = time.monotonic(), []
+        for when, jobs, by_id in due:
+            if when > now and not final:
+                keep.append((when, jobs, by_id))
+                continue
+            try:
+                end_grants(jobs, self.ctx.agent_name, time.monotonic() + self._grace, by_id)
+            except BaseException:  # noqa: BLE001 - the peer is frozen or gone: later (a dead one's holds end)
+                if not final and not self._gone(jobs[0]):
+                    keep.append((now + 0.5, jobs, by_id))
+        with self._ends_lock:
+            self._ends += keep
+
+    def _gone(self, job: Job) -> bool:
+        try:
+            self._check_alive(job)
+            return False
+        except PeerDisconnectedError:
+            return True
 
     def _bound_copy(self, job: Job):
         """The checked copy between the local region and the peer's (mapped once), per direction."""

@@ -1,0 +1,198 @@
+"""The target side's grants: which of this agent's blocks a peer's transfer may still write (the
+destination of its WRITE) or read (the source of its READ), and the revocation of them.
+
+Every transport's target side takes a :class:`Hold` on the blocks of an incoming transfer once it
+admitted it (before any byte moves) and ends it once none of that transfer's bytes can land any
+more: the one-sided transports when the initiator's notice (delivered or refused) or its end notice
+arrives, or its process is gone; UCX once the flow completed or was dropped and its receives and
+sends ended. :class:`Grants` owns the table (one per agent, any thread):
+
+- ``hold`` refuses (:class:`~xfer.errors.BlocksBusyError`) a transfer that would write blocks an
+  unfenced transfer still holds, or read blocks one still writes: a second writer never races the
+  first one's late bytes; it is refused before any byte moves (retry once the first ended).
+- ``revoke`` marks the holds on some blocks revoked (no notice of them is delivered from then on;
+  the transport's ``on_revoke`` stops what it can) and returns once each one ended, or raises
+  :class:`~xfer.errors.FenceTimeoutError` after its timeout: the caller must then keep the blocks
+  quarantined (a transfer may still write them: an initiator process stopped mid-copy).
+
+Busy counts live on the region (``region.state``) and die with it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import itertools
+import os
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..errors import BlocksBusyError, FenceTimeoutError
+from ..shm import pid_alive
+from .base import LocalRegion
+
+__all__ = ["Hold", "Grants"]
+
+
+class _Busy:
+    """Per block of one region: how many unfenced holds write it, and how many read it."""
+
+    __slots__ = ("writes", "reads")
+
+    def __init__(self, n: int):
+        self.writes = np.zeros(n, dtype=np.int32)
+        self.reads = np.zeros(n, dtype=np.int32)
+
+
+class Hold:
+    """One incoming transfer's claim on blocks ``ids`` of ``region`` until it is fenced.
+
+    ``peer``: the initiator's name; ``pid`` / ``host``: its process where known (a one-sided
+    initiator on this host: once it is gone, its copies are too); ``revoked``: the target gave the
+    blocks back (nothing of it may be delivered); ``on_revoke(hold)``: the transport's cue."""
+
+    __slots__ = ("id", "region", "ids", "writes", "peer", "tid", "pid", "host", "revoked", "on_revoke", "_latch")
+
+    def __init__(self, hid: int, region: LocalRegion, ids: np.ndarray, writes: bool, peer: str, tid: str,
+                 pid: int | None, host: str | None, on_revoke: Callable | None):
+        self.id, self.region, self.ids, self.writes, self.peer, self.tid = hid, region, ids, writes, peer, tid
+        self.pid, self.host, self.on_revoke, self.revoked = pid, host, on_revoke, False
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()  # released once, when the hold ends
+
+    def __repr__(self) -> str:
+        what = "writes" if self.writes else "reads"
+        return (f"Hold({self.id}: transfer {self.tid} from {self.peer!r} {what} {self.ids.size} blocks of "
+                f"{self.region.name!r}{', revoked' if self.revoked else ''})")
+
+    def wait(self, timeout: float) -> bool:
+        """True once the hold ended (within ``timeout`` seconds)."""
+        if self._latch.acquire(timeout=max(timeout, 0.0)):
+            self._latch.release()
+            return True
+        return False
+
+
+class Grants:
+    """Every live hold of one agent (``host``: this host's id, for the liveness of initiators)."""
+
+    def __init__(self, host: str):
+        self._host, self._pid = host, os.getpid()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._live: dict[int, Hold] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @staticmethod
+    def _busy(region: LocalRegion) -> _Busy:
+        return region.state.get(("grants", "busy"), lambda: _Busy(region.layout.num_blocks))
+
+    def _gone(self, hold: Hold) -> bool:
+        """The initiator's process is known to be gone (a one-sided copier on this host)."""
+        return hold.pid is not None and hold.host == self._host and hold.pid != self._pid and not pid_alive(hold.pid)
+
+    def hold(self, region: LocalRegion, ids: np.ndarray, *, writes: bool, peer: str, tid: str, pid: int | None = None,
+             host: str | None = None, on_revoke: Callable | None = None) -> Hold:
+        """Claim blocks ``ids`` (checked) of ``region`` for an incoming transfer, or raise
+        BlocksBusyError naming the unfenced transfer that holds some of them."""
+        busy = self._busy(region)
+        with self._lock:
+            if busy.writes[ids].any() or (writes and busy.reads[ids].any()):
+                self._reap(region)  # holds of initiators that died meanwhile
+                clash = busy.writes[ids].any() or (writes and busy.reads[ids].any())
+                if clash:
+                    other = self._clashing(region, ids, writes)
+                    raise BlocksBusyError(
+                        f"{'writing' if writes else 'reading'} blocks of region {region.name!r} that "
+                        f"{other!r} may still {'write' if other is not None and other.writes else 'read'} (not fenced "
+                        f"yet): refused before any byte moved")
+            h = Hold(next(self._ids), region, ids, writes, peer, tid, pid, host, on_revoke)
+            np.add.at(busy.writes if writes else busy.reads, ids, 1)
+            self._live[h.id] = h
+        return h
+
+    def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool) -> Hold | None:
+        mask = np.zeros(region.layout.num_blocks, dtype=bool)
+        mask[ids] = True
+        for h in self._live.values():
+            if h.region is region and (h.writes or writes) and mask[h.ids].any():
+                return h
+        return None
+
+    def _reap(self, region: LocalRegion | None) -> None:
+        """End the holds (of ``region``) whose initiator process is gone (under the lock)."""
+        for h in [h for h in self._live.values() if (region is None or h.region is region) and self._gone(h)]:
+            self._end(h)
+
+    def _end(self, h: Hold) -> None:
+        if self._live.pop(h.id, None) is None:
+            return
+        busy = self._busy(h.region)
+        np.add.at(busy.writes if h.writes else busy.reads, h.ids, -1)
+        h._latch.release()
+
+    def end(self, hold: Hold) -> None:
+        """The hold's transfer is fenced: no byte of it can land any more. Idempotent."""
+        with self._lock:
+            self._end(hold)
+
+    def closing(self):
+        """The table's lock: a notice's revoked check and its delivery inside it cannot interleave
+        with a revocation (a notice delivered before ``revoke`` returned is in the inbox; none after)."""
+        return self._lock
+
+    def take_locked(self, hid, peer: str) -> Hold | None:
+        """End hold ``hid`` of ``peer`` (its initiator's notice or end notice came) and return it
+        (check ``revoked`` before delivering anything of it); None if there is no such hold. The
+        caller holds :meth:`closing`, so the check and a delivery are one step."""
+        h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
+        if h is None or h.peer != peer:
+            return None
+        self._end(h)
+        return h
+
+    def end_transfers(self, peer: str, tids: set) -> None:
+        """End ``peer``'s holds of transfers ``tids`` (caller holds :meth:`closing`)."""
+        for h in [h for h in self._live.values() if h.peer == peer and h.tid in tids]:
+            self._end(h)
+
+    def holds(self, region: LocalRegion | None = None) -> list[Hold]:
+        with self._lock:
+            return [h for h in self._live.values() if region is None or h.region is region]
+
+    def revoke(self, regions: list[LocalRegion], blocks, timeout: float) -> int:
+        """Revoke every hold on ``blocks`` (checked ids) of ``regions``; return how many there were
+        once each ended, or raise FenceTimeoutError after ``timeout`` seconds naming those that did
+        not (their blocks must stay quarantined)."""
+        end = time.monotonic() + timeout
+        picked = []
+        with self._lock:
+            for region in regions:
+                ids = region.layout.check_block_ids(blocks, what="revoked block ids")
+                mask = np.zeros(region.layout.num_blocks, dtype=bool)
+                mask[ids] = True
+                for h in self._live.values():
+                    if h.region is region and mask[h.ids].any():
+                        h.revoked = True
+                        picked.append(h)
+        for h in picked:
+            if h.on_revoke is not None:
+                h.on_revoke(h)
+        left = picked
+        while left:
+            left = [h for h in left if not h.wait(min(0.05, max(end - time.monotonic(), 0.0)))]
+            if left:
+                with self._lock:
+                    for h in left:
+                        if self._gone(h):
+                            self._end(h)
+                left = [h for h in left if h.id in self._live]
+            if left and time.monotonic() >= end:
+                raise FenceTimeoutError(
+                    f"{len(left)} transfer(s) may still write the revoked blocks after {timeout:.3f} s "
+                    f"({', '.join(map(repr, left[:4]))}): keep those blocks quarantined, revoke again later")
+        return len(picked)
