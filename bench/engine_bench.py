@@ -19,6 +19,10 @@ quartiles and range over iterations, and as a share of the median TTFT without t
 into ``tail`` (forward end -> all landed, measured inside one run: the transfer not hidden behind
 the forward, low noise) and ``forward slowdown`` (the streamed run's forward vs the alone one).
 
+``--decode-device cuda:M`` puts the decode instance on another GPU than this prefill process's
+``--device``: the transfer then crosses GPUs (``ipc`` over NVLink where they are peers); the
+correctness check is unchanged (the decode process builds the same weights on its GPU).
+
 ``--mode swap``: a router with 1 prefill + 1 decode process, a decode pool too small for the load
 and host swap space, run at each of ``--swap-rates``: TTFT, TPOT, swaps and swap seconds per rate,
 each run bounded by ``--swap-timeout``.
@@ -77,15 +81,15 @@ def ttft(args) -> dict:
     spec = PRESETS[args.model]
     nblk = blocks_for(args.prompt + args.new, args.block_size)
     pool = PoolSpec(num_blocks=nblk + 4, block_size=args.block_size, device=args.device)
+    decode_pool = PoolSpec(num_blocks=2 * nblk + 4, block_size=args.block_size, device=args.decode_device or args.device)
     t0 = time.time()
-    with Router(spec, num_prefill=0, num_decode=1, decode_pool=pool.with_blocks(2 * nblk + 4),
-                start_timeout_s=600) as router:
+    with Router(spec, num_prefill=0, num_decode=1, decode_pool=decode_pool, start_timeout_s=600) as router:
         inst = PrefillInstance("prefill-0", spec, pool, lease_s=60)
         inst.agent.publish(router.store)
         inbox = Inbox(router.store.endpoint, "prefill-0")
         kv = spec.kv_bytes_per_token() * args.prompt
         print(f"setup {time.time() - t0:.1f} s: {args.model} ({spec.num_layers} layers), prompt {args.prompt}, "
-              f"{args.device}, KV {kv / 2**20:.1f} MiB ({kv / spec.num_layers / 2**20:.2f} MiB per layer)", flush=True)
+              f"prefill {args.device}, decode {decode_pool.device}, KV {kv / 2**20:.1f} MiB ({kv / spec.num_layers / 2**20:.2f} MiB per layer)", flush=True)
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, spec.vocab_size, (args.prompt,), generator=gen).tolist()
 
@@ -208,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=16, help="tokens generated in the correctness check")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--decode-device", default=None,
+                    help="--mode ttft: the decode instance's device (default: --device; cuda:M for another GPU)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=15, help="timed iterations (each: alone + every variant)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -222,6 +228,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     gpu = args.device.startswith("cuda")
+    if args.decode_device is not None:
+        if not (gpu and args.decode_device.startswith("cuda")):
+            ap.error(f"--decode-device takes cuda[:M] beside --device cuda[:N], got --device {args.device} "
+                     f"--decode-device {args.decode_device}")
+        try:
+            torch.device(args.decode_device)
+        except (RuntimeError, ValueError):
+            ap.error(f"--decode-device must be cuda or cuda:M, got {args.decode_device!r}")
+    if gpu and torch.device(args.device).index is not None:
+        torch.cuda.set_device(torch.device(args.device))  # this process's work (prefill, reference) on that GPU
     if not gpu:
         torch.set_num_threads(1)  # like the instance processes: tiny CPU matmuls only lose from a second thread
     args.swap_model = args.swap_model or ("1b" if gpu else "tiny")
@@ -238,6 +254,9 @@ def main(argv=None) -> int:
         result["swap"] = swap(args)
     result["env"] = {"python": platform.python_version(), "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if gpu else platform.processor(),
+                     "decode_device": args.decode_device or args.device,
+                     "decode_device_name": torch.cuda.get_device_name(torch.device(args.decode_device)) if (
+                         gpu and args.decode_device) else None,
                      "transformers": __import__("transformers").__version__}
     if args.out:
         with open(args.out, "w") as f:

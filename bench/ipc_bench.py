@@ -10,6 +10,13 @@ block sets of the prefill cache into the i-th of 8 free sets of the decode cache
 engines place a stream of requests; verified once before timing), pull, and the latency of a
 1-block request across all layers.
 
+Across two GPUs (``--peer-device``), ``--peer-ceiling`` adds, after every xfer row (so nothing
+it enables runs before the transport's own mapping), the NVLink ceiling: ``cudaMemcpyPeerAsync``
+of the same bytes, contiguous, both ways, peer access enabled (``bench/peer_copy.py``;
+``peer_ceiling`` in the JSON, ``ratio_to_peer_ceiling`` on each row, reads against the pull).
+``--pull-burst`` adds reads back to back (8 and 128, each request pulling the peer's copy of
+the i-th set back into this cache, verified once on poison). Neither runs by default.
+
 Then (``copy_paths`` in the JSON; ``--no-copy-paths`` skips it) the Triton kernel against the
 copy engines (``cudaMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, one ``cudaMemcpyAsync`` per run)
 for 512 B, 4 KiB and 32 KiB slices of the same shape: device->device in-process, device->pinned
@@ -145,6 +152,32 @@ def copy_paths_section(args) -> dict:
     return out
 
 
+def pull_bursts(agent, peer, target, layout, tensors, srcs, sets, iters: int) -> list[dict]:
+    """Reads back to back: request i pulls the peer's i-th set (``sets[i % 8]``) into this cache's
+    ``srcs[i % 8]``. Verified once first: this whole cache poisoned, 16 pulls, every set then
+    holding the peer's bytes."""
+    from xfer.bench.target import POISON, block_digests
+
+    def burst(k):
+        ts = [agent.read(peer, sets[i % 8], srcs[i % 8]) for i in range(k)]
+        for t in ts:
+            t.wait()
+
+    want = [target.call("check", d.tolist())[0] for d in sets]
+    for t in tensors:
+        t.view(-1).view(torch.uint8).fill_(POISON)
+    torch.cuda.synchronize()
+    burst(16)
+    torch.cuda.synchronize()
+    if any(block_digests(layout, tensors, s) != w for s, w in zip(srcs, want)):
+        raise SystemExit("ipc bench: a back-to-back pull burst left bytes that differ from the peer's")
+    rows = []
+    for k, n in ((8, max(3, iters // 4)), (128, max(3, iters // 10))):
+        ms, p99 = median_ms(lambda k=k: burst(k), n)
+        rows.append({"name": f"xfer read (pull), {k} back to back (per request)", "ms": ms / k, "p99_ms": p99 / k})
+    return rows
+
+
 def main(argv=None) -> dict:
     from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
@@ -159,6 +192,9 @@ def main(argv=None) -> dict:
     p.add_argument("--copy-sizes", default="512,4096,32768", help="slice sizes of the copy-path comparison")
     p.add_argument("--copy-iters", type=int, default=10)
     p.add_argument("--copy-budget-s", type=float, default=0.4, help="time budget of one copy-path measurement")
+    p.add_argument("--peer-ceiling", action="store_true",
+                   help="after the xfer rows, time cudaMemcpyPeerAsync of the same bytes, device <-> peer device")
+    p.add_argument("--pull-burst", action="store_true", help="also time 8 and 128 reads (pulls) back to back")
     args = p.parse_args(argv)
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
@@ -264,6 +300,8 @@ def main(argv=None) -> dict:
             ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
+            if args.pull_burst:
+                rows += pull_bursts(agent, peer, target, layout, tensors, srcs, sets, args.iters)
             lat_ms, lat_p99 = median_ms(lambda: agent.write(peer, [5], [7]).wait(), args.iters)
             post = []
             for _ in range(args.iters):
@@ -277,6 +315,12 @@ def main(argv=None) -> dict:
     for r in rows:
         r["gb_per_s"] = nbytes / (r["ms"] * 1e-3) / 1e9
         r["ratio_to_ceiling"] = ceil_ms / r["ms"]
+    ceiling = None
+    if args.peer_ceiling:
+        from xfer.bench.peer_copy import add_peer_ratios, peer_ceiling
+
+        ceiling = peer_ceiling(args.device, args.peer_device, nbytes, args.iters)
+        add_peer_ratios(rows, ceiling)
     res = {
         "bench": "ipc", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(args.device), "peer_device": args.peer_device,
@@ -288,6 +332,7 @@ def main(argv=None) -> dict:
                               "p50_ms": lat_ms, "p99_ms": lat_p99},
         "post_us_median": statistics.median(post),
         "write_timeline_ms": phases,
+        **({"peer_ceiling": ceiling} if ceiling is not None else {}),
     }
     print(f"ipc bench on {res['device']}: {res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB, route {route}")
     print(f"{'what':<44}{'ms':>9}{'p99 ms':>9}{'GB/s':>9}{'x ceiling':>11}")
@@ -298,6 +343,12 @@ def main(argv=None) -> dict:
     print("one write, median ms from the call to each phase: "
           + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     print(f"path of the verified write: {transfer_path}")
+    if ceiling is not None:
+        print(f"peer ceiling (peer access {ceiling.get('peer_access')}): " + ("; ".join(
+            f"{r['name']} {r['ms']:.3f} ms {r['gb_per_s']:.0f} GB/s" for r in ceiling.get("rows", []))
+            or ceiling.get("error", "")))
+        print("x peer ceiling: " + ", ".join(f"{r['name']} {r['ratio_to_peer_ceiling']:.3f}"
+                                             for r in rows if "ratio_to_peer_ceiling" in r))
     if not args.no_copy_paths:
         if args.out:  # what ran so far survives a crash below
             with open(args.out, "w") as f:

@@ -16,6 +16,11 @@ caches on the symmetric heap; one copy_blocks into the peer). Every path is veri
 same-bytes contiguous device copy timed in the same run. A verifying write still in flight after
 ``--snapshot-s`` prints both PEs' signal words and lanes; a failed one prints them again (the
 decode side's through its command loop, bounded: a stuck decode PE never hangs the bench).
+
+``--pes 2 --peer-device 1`` puts PE 1 on another GPU (NVSHMEM's normal mode, one PE per GPU);
+``--peer-ceiling`` then adds, after both PEs finalized, the NVLink ceiling of the same bytes
+(``cudaMemcpyPeerAsync`` both ways, peer access enabled: ``bench/peer_copy.py``) as
+``peer_ceiling`` and a ``ratio_to_peer_ceiling`` on every row (reads against the pull).
 """
 
 from __future__ import annotations
@@ -338,6 +343,8 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
                         "blocks, at least one (default: the AgentConfig default, 64 MiB)")
     p.add_argument("--paths", default="staged,direct", help="comma-separated: staged, direct")
     p.add_argument("--verify-s", type=float, default=30.0, help="deadline of each verifying write")
+    p.add_argument("--peer-ceiling", action="store_true",
+                   help="after the PEs finalized, time cudaMemcpyPeerAsync of the same bytes, device <-> PE 1's device")
     p.add_argument("--snapshot-s", type=float, default=10.0,
                    help="print both PEs' words and lanes if a verifying write is still in flight after this")
     args = p.parse_args(argv)
@@ -393,6 +400,12 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
     for r in rows:
         r["gb_per_s"] = nbytes / (r["ms"] * 1e-3) / 1e9
         r["ratio_to_ceiling"] = ceil_ms / r["ms"]
+    ceiling = None
+    if args.peer_ceiling:  # after finalize: nothing it enables is there while NVSHMEM runs
+        from xfer.bench.peer_copy import add_peer_ratios, peer_ceiling
+
+        ceiling = peer_ceiling(args.device, args.device if one_pe else args.peer_device, nbytes, args.iters)
+        add_peer_ratios(rows, ceiling)
     dev = torch.device(info["prefill"]["device"])
     status = info["prefill"].get("status")
     res = {
@@ -405,6 +418,7 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
         "workload": {**dims, "layout": KIND, "blocks_moved": len(src), "slice_bytes": layout.block_nbytes,
                      "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
         "pes": info, "paths": paths, "rows": rows, "teardown": teardown,
+        **({"peer_ceiling": ceiling} if ceiling is not None else {}),
     }
     where = "both agents on PE 0" if one_pe else f"PE 1 on cuda:{args.peer_device}"
     print(f"nvshmem bench on {res['device']} ({args.pes} PE: {where}, NVSHMEM status {status}): "
@@ -420,6 +434,10 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
         print(f"{path}: verified, counted as {d['counted_as']}; 1-block request ({layout.num_slots} slices): "
               f"p50 {lat['p50']:.3f} ms, p99 {lat['p99']:.3f} ms")
     print(f"teardown: {teardown}", flush=True)
+    if ceiling is not None:
+        print(f"peer ceiling (peer access {ceiling.get('peer_access')}): " + ("; ".join(
+            f"{r['name']} {r['ms']:.3f} ms {r['gb_per_s']:.0f} GB/s" for r in ceiling.get("rows", []))
+            or ceiling.get("error", "")))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -35,6 +35,10 @@ measures, instead of the host ceilings:
   buffer of the other process + an 8-byte host ack (UCX picks cuda_ipc / cuda_copy as it likes;
   the JSON records UCX_TLS and the contexts' transports; the received bytes are checked once).
 
+``--peer-device cuda:M`` puts the server's KV caches (and its ucxx buffer) on GPU M instead: UCX
+on device memory across two GPUs; ``copy`` is then the same bytes copied from GPU N into GPU M
+(``copy_``, peer access as torch sets it up), both devices synced.
+
 ``--chunk-bytes`` sets ``XFER_UCX_CHUNK_BYTES`` (host slots, e.g. 64M) for both processes. A host
 transfer is still cut into at least ``XFER_UCX_MIN_CHUNKS`` (16) chunks, ``XFER_UCX_MIN_CHUNKS_IN_PLACE``
 (4) where either side moves its blocks in place, so 64M slots move the 512 MiB case as 8 x 64 MiB.
@@ -313,7 +317,8 @@ class Server:
 
 
 # ---- client side ---------------------------------------------------------------------------------
-def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, device: str = "cpu") -> dict:
+def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, device: str = "cpu",
+             peer_device: str | None = None) -> dict:
     from xfer.bench.target import block_digests
     from xfer import Agent, AgentConfig, make_kv_cache
     from xfer.metadata import decode
@@ -329,9 +334,10 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
     src, dst = ids_of(case)
     nbytes = prep["nbytes"]
     data, ack = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8), np.zeros(1, np.uint64)
+    peer_dev = torch.device(peer_device or device)
     if cuda:
         data = torch.from_numpy(data).to(dev)
-        copy_dst = torch.empty_like(data)
+        copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=peer_dev)  # the server's GPU: a peer copy across two
         torch.cuda.synchronize(dev)
     with Agent("bench-src", AgentConfig(transport="ucx", listen_host=bind, default_timeout_s=60)) as agent:
         agent.register("kv", tensors, layout)
@@ -367,6 +373,8 @@ def run_case(case: str, server: Server, peer_host: str, bind: str, iters: int, d
                 t0 = time.perf_counter()
                 copy_dst.copy_(data)
                 torch.cuda.synchronize(dev)
+                if peer_dev != dev:
+                    torch.cuda.synchronize(peer_dev)
                 times["copy"].append(time.perf_counter() - t0)
             else:
                 server.call(op="poison")
@@ -478,6 +486,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--device", default="cpu", help="where both processes' KV caches live: cpu (host memory, "
                     "the default) or cuda[:N] (GPU N, shared by the two processes)")
+    ap.add_argument("--peer-device", help="cuda[:M]: the server's KV caches on GPU M (default: --device, both on one GPU)")
     ap.add_argument("--chunk-bytes", help="XFER_UCX_CHUNK_BYTES of both processes (host slots), e.g. 16M or 64M")
     ap.add_argument("--device-chunk-bytes", help="XFER_UCX_DEVICE_CHUNK_BYTES of both processes (device slots), "
                     "e.g. 64M or 128M")
@@ -488,6 +497,9 @@ def main() -> None:
         ap.error(f"--cases: unknown case(s) {unknown}; known: {','.join(CASES)}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.peer_device and (not args.peer_device.startswith("cuda") or not args.device.startswith("cuda")):
+        ap.error(f"--peer-device takes cuda[:M] beside --device cuda[:N], got --device {args.device} "
+                 f"--peer-device {args.peer_device}")
     for flag, var, value in (("--chunk-bytes", "XFER_UCX_CHUNK_BYTES", args.chunk_bytes),
                              ("--device-chunk-bytes", "XFER_UCX_DEVICE_CHUNK_BYTES", args.device_chunk_bytes)):
         if value:
@@ -503,6 +515,9 @@ def main() -> None:
             pin_process([int(c) for c in args.cpus.split(",")])
         return serve(args.bind, args.device)
     device = str(set_device(args.device))
+    peer_device = device if not args.peer_device else str(torch.device(args.peer_device))
+    if peer_device == "cuda":
+        peer_device = "cuda:0"
     ns = None
     if args.netns:
         ns = json.loads(subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "up"], check=True,
@@ -515,7 +530,8 @@ def main() -> None:
             env = dict(os.environ, UCX_NET_DEVICES=ns["dev_a"], XFER_UCX_BENCH_NS=json.dumps(ns))
             cmd = ["ip", "netns", "exec", ns["ns_a"], sys.executable, __file__, "--iters", str(args.iters),
                    "--cases", args.cases, "--device", args.device, "--pin", args.pin] + (
-                       ["--json", args.json] if args.json else [])
+                       ["--json", args.json] if args.json else []) + (
+                       ["--peer-device", args.peer_device] if args.peer_device else [])
             subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
             return
         inner = json.loads(os.environ.get("XFER_UCX_BENCH_NS", "null"))
@@ -525,30 +541,33 @@ def main() -> None:
         cpus = split_cpus(args.pin)
         if cpus:
             pin_process(cpus[0])
-        server = Server(peer, inner["ns_b"] if inner else None, device, cpus[1] if cpus else None)
+        server = Server(peer, inner["ns_b"] if inner else None, peer_device, cpus[1] if cpus else None)
         if inner:
             os.environ["UCX_NET_DEVICES"] = inner["dev_a"]
         try:
-            results = [run_case(c, server, peer, bind, args.iters, device) for c in args.cases.split(",")]
+            results = [run_case(c, server, peer, bind, args.iters, device, peer_device) for c in args.cases.split(",")]
         finally:
             server.close()
-        report(results, "veth" if inner else "loopback", args.json, device, cpus)
+        report(results, "veth" if inner else "loopback", args.json, device, cpus, peer_device)
     finally:
         if ns:
             subprocess.run(["bash", str(ROOT / "ci" / "netns.sh"), "down", ns["id"]], check=False)
 
 
-def describe_device(device: str) -> dict:
+def describe_device(device: str, peer_device: str | None = None) -> dict:
     dev = torch.device(device)
     if dev.type != "cuda":
         return {"device": "cpu"}
     p = torch.cuda.get_device_properties(dev)
+    two = peer_device is not None and torch.device(peer_device) != dev
     return {"device": str(dev), "device_name": p.name, "capability": f"{p.major}.{p.minor}",
             "memory_gib": round(p.total_memory / 2**30, 1), "torch_cuda": torch.version.cuda,
-            "processes": "2 on the same GPU"}
+            "processes": f"client on {dev}, server on {peer_device}" if two else "2 on the same GPU",
+            **({"peer_device": peer_device} if two else {})}
 
 
-def report(results: list[dict], link: str, path: str | None, device: str = "cpu", cpus=None) -> None:
+def report(results: list[dict], link: str, path: str | None, device: str = "cpu", cpus=None,
+           peer_device: str | None = None) -> None:
     import ucxx
 
     from xfer.settings import UcxSettings
@@ -558,8 +577,8 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
           f"ucxx {ucxx.__version__}, UCX {'.'.join(map(str, ucxx.get_ucx_version()))}")
     print(f"CPUs: client {cpus[0]}, server {cpus[1]}" if cpus else "CPUs: not pinned (--pin off, or one CPU)")
     if cuda:
-        d, u = describe_device(device), results[0]["ucx"]
-        print(f"device {d['device']} ({d['device_name']}, CUDA {d['torch_cuda']}), both processes; "
+        d, u = describe_device(device, peer_device), results[0]["ucx"]
+        print(f"device {d['device']} ({d['device_name']}, CUDA {d['torch_cuda']}), {d['processes']}; "
               f"UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; device chunk "
               f"{UcxSettings.from_env().device_chunk_bytes / 2**20:g} MiB")
         print(f"UCX transports: ucxx {u['ucxx_client']['tls']} (cuda {u['ucxx_client']['cuda_support']}), "
@@ -590,7 +609,7 @@ def report(results: list[dict], link: str, path: str | None, device: str = "cpu"
                "machine": platform.node(), "cores": os.cpu_count(),
                "load_avg": os.getloadavg(), "python": platform.python_version(),
                "torch": torch.__version__, "ucxx": ucxx.__version__,
-               "ucx": ".".join(map(str, ucxx.get_ucx_version())), **describe_device(device),
+               "ucx": ".".join(map(str, ucxx.get_ucx_version())), **describe_device(device, peer_device),
                "chunk_bytes": UcxSettings.from_env().chunk_bytes,
                "device_chunk_bytes": UcxSettings.from_env().device_chunk_bytes,
                "cpus": {"client": cpus[0], "server": cpus[1]} if cpus else None}

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|all]...   (default: all;
-# copycal, the kernel vs copy-engine calibration that writes the auto table, and repeat, which runs
-# the GPU tests named by XFER_GPU_REPEAT_TESTS XFER_GPU_REPEAT times (default: the TP engine test, 8)
-# to count intermittent failures, run only when named)
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|multigpu|all]...
+# (default: all; copycal, the kernel vs copy-engine calibration that writes the auto table, repeat,
+# which runs the GPU tests named by XFER_GPU_REPEAT_TESTS XFER_GPU_REPEAT times (default: the TP
+# engine test, 8) to count intermittent failures, and multigpu, run only when named)
+# multigpu (issue 33; docs/multigpu.md): every measurement across GPUs of this machine, GPU 0 -> GPU 1
+# (ipc push/pull lone and back to back, NVSHMEM one PE per GPU, UCX on device memory, the engine
+# with decode on GPU 1, xfer-bench, the multi-GPU tests) beside the cudaMemcpyPeerAsync ceiling and
+# NCCL send/recv of the same bytes, all in this one call, into $OUT/multigpu.json (+ .md, and the
+# parts' logs under $OUT/multigpu/). With one GPU it says what it skips and runs the two-process
+# variants on GPU 0. XFER_MG_ARGS adds flags (--quick: the ~3-minute smoke run; --parts, --pairs,
+# --budget-s, default 540 s; the step's limit XFER_GPU_S_MULTIGPU defaults to 570 s).
 # Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _UCX, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
 # test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
@@ -96,6 +103,10 @@ for step in $what; do
       [ "$failed" -eq 0 ] || rc=1 ;;
     copycal)
       run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    multigpu)
+      XFER_GPU_S_MULTIGPU=${XFER_GPU_S_MULTIGPU:-570} run_step MULTIGPU python3 -m xfer.bench.multigpu \
+        --out "$OUT/multigpu" ${XFER_MG_ARGS:-} 2>&1 | tee "$OUT/multigpu.log"; rc=$((rc | ${PIPESTATUS[0]}))
+      for f in multigpu.json multigpu.md; do [ -f "$OUT/multigpu/$f" ] && cp "$OUT/multigpu/$f" "$OUT/$f"; done ;;
     engine|all)
       run_step ENGINE python3 -m xfer.bench.engine_bench --model 8b --prompt 4096 --device cuda --out "$OUT/engine.json" 2>&1 \
         | tee "$OUT/engine.log"; rc=$((rc | ${PIPESTATUS[0]}))
@@ -105,6 +116,7 @@ for step in $what; do
 done
 if [ -n "${XFER_GPU_BUNDLE:-}" ]; then
   tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
-  find "$OUT" -mindepth 1 ! -name gpu-out.tgz ! -name pytest-gpu.log ! -name env.txt -delete
+  find "$OUT" -mindepth 1 ! -name gpu-out.tgz ! -name pytest-gpu.log ! -name env.txt ! -path "$OUT/multigpu.json" \
+    ! -path "$OUT/multigpu.md" -delete
 fi
 exit $rc

@@ -81,6 +81,7 @@ class LayerStreamer:
         self.transfers = []
         self._error: BaseException | None = None
         self._poster = poster if device is not None and device.type == "cuda" else None
+        self._device = device
         if self._poster is None and device is not None and device.type == "cuda":
             raise ValueError("a CUDA prefill streams through a Poster thread: pass poster=")
 
@@ -90,7 +91,9 @@ class LayerStreamer:
             self._post(layer)
             return
         event = torch.cuda.Event()
-        event.record()  # on the forward's stream, after layer ``layer``'s KV writes
+        # on the forward's stream (the pool's GPU, which need not be the current device), after
+        # layer ``layer``'s KV writes
+        event.record(torch.cuda.current_stream(self._device))
         self._poster.put(event, self._post_guarded, layer)
 
     def _post_guarded(self, layer: int) -> None:

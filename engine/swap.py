@@ -94,7 +94,9 @@ class Swapper:
         started = time.perf_counter()
         if self.on_gpu:
             ready = torch.cuda.Event()
-            ready.record()  # on the compute stream: the copy starts after the last token written
+            # on the compute stream of the pool's GPU (not necessarily the current device): the
+            # copy starts after the last token written
+            ready.record(torch.cuda.current_stream(p.device))
             move = swap_out if direction == "out" else swap_in
             event = move(p.layout, p.tensors, dev, h.layout, h.tensors, host, stream=self._stream, wait_event=ready)
             return SwapHandle(req, direction, dev, host, started, event)
