@@ -152,16 +152,27 @@ def copy_paths_section(args) -> dict:
     return out
 
 
-def pull_bursts(agent, peer, target, layout, tensors, srcs, sets, iters: int) -> list[dict]:
+def windowed(post, k: int, window: int) -> None:
+    """Post ``post(i)`` for i < k and wait for all; with ``window`` > 0 at most that many in flight
+    (request i waits for request i - window first: with 8 block sets, no two unfenced transfers
+    share a block, which the targets' grants refuse since issue 29); 0: all at once."""
+    ts = []
+    for i in range(k):
+        if window and i >= window:
+            ts[i - window].wait()
+        ts.append(post(i))
+    for t in ts:
+        t.wait()
+
+
+def pull_bursts(agent, peer, target, layout, tensors, srcs, sets, iters: int, window: int = 0) -> list[dict]:
     """Reads back to back: request i pulls the peer's i-th set (``sets[i % 8]``) into this cache's
     ``srcs[i % 8]``. Verified once first: this whole cache poisoned, 16 pulls, every set then
     holding the peer's bytes."""
     from xfer.bench.target import POISON, block_digests
 
     def burst(k):
-        ts = [agent.read(peer, sets[i % 8], srcs[i % 8]) for i in range(k)]
-        for t in ts:
-            t.wait()
+        windowed(lambda i: agent.read(peer, sets[i % 8], srcs[i % 8]), k, window)
 
     want = [target.call("check", d.tolist())[0] for d in sets]
     for t in tensors:
@@ -195,6 +206,9 @@ def main(argv=None) -> dict:
     p.add_argument("--peer-ceiling", action="store_true",
                    help="after the xfer rows, time cudaMemcpyPeerAsync of the same bytes, device <-> peer device")
     p.add_argument("--pull-burst", action="store_true", help="also time 8 and 128 reads (pulls) back to back")
+    p.add_argument("--window", type=int, default=0,
+                   help="back to back: at most this many requests in flight (8: one per block set, as the grants "
+                        "of issue 29 require; 0, the default: a whole burst at once)")
     args = p.parse_args(argv)
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
@@ -266,9 +280,7 @@ def main(argv=None) -> dict:
             sets = [s[::-1].copy() for s in srcs]
 
             def burst(k=8):  # request i moves the i-th of 8 block sets into the i-th free set, in turn
-                ts = [agent.write(peer, srcs[i % 8], sets[i % 8]) for i in range(k)]
-                for t in ts:
-                    t.wait()
+                windowed(lambda i: agent.write(peer, srcs[i % 8], sets[i % 8]), k, args.window)
 
             burst(16)  # verified once before it is timed: every set holds its source blocks
             got = [target.call("check", d.tolist()) for d in sets]
@@ -301,7 +313,7 @@ def main(argv=None) -> dict:
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
             if args.pull_burst:
-                rows += pull_bursts(agent, peer, target, layout, tensors, srcs, sets, args.iters)
+                rows += pull_bursts(agent, peer, target, layout, tensors, srcs, sets, args.iters, args.window)
             lat_ms, lat_p99 = median_ms(lambda: agent.write(peer, [5], [7]).wait(), args.iters)
             post = []
             for _ in range(args.iters):

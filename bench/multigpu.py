@@ -10,10 +10,12 @@ with its children at its time cap), in this order:
 - ``ceiling``: ``cudaMemcpyPeerAsync`` of the seed case's 512 MiB, contiguous, push and pull, lone
   and back to back, peer access enabled (``peer_copy``); every pair ``0:k`` on machines of more GPUs;
 - ``nccl``: NCCL send/recv of the same bytes, one process a GPU (``nccl_baseline``; needs 2 GPUs);
-- ``ipc``: the seed case over ``ipc``, push and pull, lone and back to back, with its own
-  ``cudaMemcpyPeerAsync`` ceiling timed after it (``ipc_bench --peer-ceiling --pull-burst``);
+- ``ipc``: the seed case over ``ipc``, push and pull, lone and back to back (at most 8 in flight,
+  one per block set: the targets' grants refuse two unfenced writers of a block), with its own
+  ``cudaMemcpyPeerAsync`` ceiling timed after it (``ipc_bench --peer-ceiling --pull-burst --window 8``);
 - ``p2p``: how a copy on GPU 0 reaches a CUDA-IPC mapping of GPU 1's memory (``p2p_probe``);
-- ``nvshmem``: two PEs, one per GPU, staged and direct (``nvshmem_bench --peer-ceiling``);
+- ``nvshmem``: two PEs, one per GPU, staged and direct (``nvshmem_bench --peer-ceiling``; back to
+  back over two disjoint sets of decode blocks, ``--burst-window 2``);
 - ``engine``: prefill on GPU 0 (this machine's process), decode on GPU 1: token equality with
   single-process generation, TTFT share of the transfer (``engine_bench --decode-device``);
 - ``ucx``: the UCX transport on device memory across the two GPUs (``ucx_bench --peer-device``);
@@ -120,10 +122,12 @@ def plan(n: int, *, quick: bool, parts: tuple[str, ...] = PARTS, have: dict | No
     add("nccl", [py, "-m", m + "nccl_baseline", "--devices", f"{a},{b}", "--iters", it(20, 5), "--out", "nccl.json"],
         out="nccl.json", skip=f"needs 2 GPUs (this machine has {n}): NCCL refuses two ranks on one GPU" if one_gpu else None)
     add("ipc", [py, "-m", m + "ipc_bench", "--device", str(a), "--peer-device", str(b), "--no-copy-paths",
-                "--peer-ceiling", "--pull-burst", "--iters", it(30, 5), "--out", "ipc.json"], out="ipc.json")
+                "--peer-ceiling", "--pull-burst", "--window", "8", "--iters", it(30, 5), "--out", "ipc.json"],
+        out="ipc.json")
     add("p2p", [py, "-m", m + "p2p_probe", "--local", str(a), "--peer", str(b), "--out", "p2p.json"], out="p2p.json")
     add("nvshmem", [py, "-m", m + "nvshmem_bench", "--pes", "2", "--device", str(a), "--peer-device", str(b),
-                    "--peer-ceiling", "--iters", it(30, 5), "--out", "nvshmem.json"], out="nvshmem.json",
+                    "--peer-ceiling", "--burst-window", "2", "--iters", it(30, 5), "--out", "nvshmem.json"],
+        out="nvshmem.json",
         skip=have.get("nvshmem"))
     model = ["--model", "tiny", "--prompt", "256", "--new", "8", "--iters", "3", "--warmup", "1"] if quick else \
         ["--model", "8b", "--prompt", "4096", "--new", "16", "--iters", "15", "--warmup", "2"]
@@ -142,7 +146,7 @@ def plan(n: int, *, quick: bool, parts: tuple[str, ...] = PARTS, have: dict | No
                   "--timeout", "180", "-rs", *select], in_repo=True)
     for x, y in extras:
         add("extra", [py, "-m", m + "ipc_bench", "--device", str(x), "--peer-device", str(y), "--no-copy-paths",
-                      "--peer-ceiling", "--iters", "5", "--out", f"ipc-{x}-{y}.json"],
+                      "--peer-ceiling", "--window", "8", "--iters", "5", "--out", f"ipc-{x}-{y}.json"],
             key=f"extra {x}->{y}", out=f"ipc-{x}-{y}.json")
     return out
 

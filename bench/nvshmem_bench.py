@@ -294,9 +294,15 @@ def _run_paths(agent, tr, decode, src, dst, args, dims, rows, paths):
             getattr(agent, op)(peer, s, d, region=region, peer_region=region, timeout=120).wait()
 
         def burst(k=8, region=region, peer=peer):
-            ts = [agent.write(peer, src, dst, region=region, peer_region=region, timeout=120) for _ in range(k)]
-            for t in ts:
-                t.wait()
+            from xfer.bench.ipc_bench import windowed
+
+            # --burst-window n: request i writes the (i % n)-th of n disjoint sets of decode blocks, at
+            # most n in flight (grants refuse two unfenced writers of one block); 0: k writes of dst at once
+            n = min(args.burst_window, dims["num_blocks"] // len(dst)) or 0
+            sets = [dst] + [np.setdiff1d(np.arange(dims["num_blocks"]), dst)[j * len(dst):(j + 1) * len(dst)]
+                            for j in range(n - 1)]
+            windowed(lambda i: agent.write(peer, src, sets[i % n] if n else dst, region=region, peer_region=region,
+                                           timeout=120), k, n)
 
         for name, fn, div in ((f"{path}: write, one request end to end", one, 1),
                               (f"{path}: write, 8 back to back (per request)", burst, 8),
@@ -343,6 +349,8 @@ def main(argv=None, *, dims: dict | None = None, decode_thread: bool = False) ->
                         "blocks, at least one (default: the AgentConfig default, 64 MiB)")
     p.add_argument("--paths", default="staged,direct", help="comma-separated: staged, direct")
     p.add_argument("--verify-s", type=float, default=30.0, help="deadline of each verifying write")
+    p.add_argument("--burst-window", type=int, default=0, help="back to back: requests spread over this many "
+                   "disjoint decode block sets, one in flight per set (at most what the cache holds: 2); 0: as before")
     p.add_argument("--peer-ceiling", action="store_true",
                    help="after the PEs finalized, time cudaMemcpyPeerAsync of the same bytes, device <-> PE 1's device")
     p.add_argument("--snapshot-s", type=float, default=10.0,

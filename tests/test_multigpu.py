@@ -49,6 +49,7 @@ def test_one_gpu_plan_says_what_it_skips_and_runs_the_two_process_variants():
     ipc = parts["ipc"].cmd
     assert ipc[ipc.index("--device") + 1] == "0" and ipc[ipc.index("--peer-device") + 1] == "0"
     assert ipc[ipc.index("--iters") + 1] == "5" and "--peer-ceiling" in ipc and "--pull-burst" in ipc
+    assert ipc[ipc.index("--window") + 1] == "8" and "--burst-window" in parts["nvshmem"].cmd
     assert "cuda:0" in parts["engine"].cmd and parts["engine"].cmd[parts["engine"].cmd.index("--model") + 1] == "tiny"
     tests = parts["tests"].cmd
     assert "tests/test_multigpu.py" in tests and "tests/test_ipc.py" not in tests and parts["tests"].in_repo
@@ -211,6 +212,47 @@ def test_send_recv_baseline_schedule_verifies_both_directions_on_gloo():
     assert [r["case"] for r in res["rows"]] == list(nccl_baseline.CASES)
     assert all(r["n"] == 3 and r["gb_per_s"] > 0 for r in res["rows"])
     assert "NCCL refuses" in nccl_baseline.run((1, 1), 1 << 20)["skipped"]
+
+
+# ---- CPU: back to back without two unfenced writers of one block (the grants of issue 29) -------
+def test_windowed_bursts_keep_one_request_in_flight_per_block_set():
+    from xfer.bench.ipc_bench import windowed
+
+    log, live = [], set()
+
+    class T:
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            live.discard(self.i)
+
+    def post(i):
+        assert not {j for j in live if j % 3 == i % 3}, f"request {i} shares a set with one in flight"
+        live.add(i)
+        log.append(i)
+        return T(i)
+
+    windowed(post, 10, 3)
+    assert log == list(range(10)) and not live
+    with pytest.raises(AssertionError, match="shares a set"):
+        windowed(post, 4, 0)  # all at once: request 3 meets request 0 in set 0
+
+
+def test_nvshmem_bench_back_to_back_over_disjoint_sets_on_the_fake(monkeypatch, tmp_path):
+    """One PE on the CPU stand-in: with --burst-window 2 the direct path's 8 back-to-back writes go
+    to two disjoint sets of decode blocks (all at once into one set, the targets refuse them)."""
+    from nvshmem_helpers import FakeFabric
+
+    from xfer.bench import nvshmem_bench
+
+    FakeFabric().install(monkeypatch)
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")
+    res = nvshmem_bench.main(["--pes", "1", "--iters", "3", "--staging-mib", "1", "--burst-window", "2",
+                              "--out", str(tmp_path / "r.json")],
+                             dims=small_dims(LayoutKind.VLLM_FLASH_ATTN_NHD, blocks=16))
+    names = [r["name"] for r in res["rows"]]
+    assert "direct: write, 8 back to back (per request)" in names and len(names) == 7
 
 
 # ---- CPU: the ipc transport's N-GPU decisions, torch.cuda's answers mocked ---------------------
