@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from helpers import assert_blocks_equal, assert_untouched, fill_random, poison, small_dims
 from xfer import Agent, AgentConfig, KVLayout, LayoutKind, make_kv_cache
 from xfer import metadata as md_codec
-from xfer.auth import Authenticator
-from xfer.control import _pack
+from hostile_helpers import RawControl, Refused, hello_ok
 from xfer.errors import AuthenticationError, LayoutError, MetadataError, XferError
 
 SECRET = b"0123456789abcdef-deployment-7"
@@ -52,11 +51,24 @@ def test_peer_without_the_secret_is_rejected_and_the_log_says_why(caplog):
     a, b, _, (tb, lb) = make_pair(None, SECRET)
     try:
         with caplog.at_level(logging.WARNING, logger="xfer.control"):
-            with pytest.raises(AuthenticationError, match="refused: control message carries no MAC"):
+            with pytest.raises(AuthenticationError, match="refused: it has no shared secret"):
                 a.connect(b.metadata())
-        assert any("rejected peer" in r.message and "no MAC" in r.message for r in caplog.records)
+        assert any("dropped peer" in r.message and "no shared secret" in r.message for r in caplog.records)
         assert b.notifications() == []
         assert_untouched(lb, tb, [])
+    finally:
+        a.close(), b.close()
+
+
+def test_agent_with_a_secret_refuses_a_server_without_one():
+    a, b, _, _ = make_pair(SECRET, None)
+    try:
+        blob = b.metadata()
+        with pytest.raises(AuthenticationError):  # unsigned metadata, and the handshake says so too
+            a.connect(blob)
+        with RawControl(b.address, secret=SECRET) as c:  # the handshake says it too, whoever asks
+            with pytest.raises(Refused, match="requires a shared secret; this agent has none"):
+                c.handshake()
     finally:
         a.close(), b.close()
 
@@ -89,43 +101,58 @@ def test_tampered_or_unsigned_metadata_is_rejected():
         a.close(), b.close()
 
 
-def _raw_request(address, frame: bytes, timeout=5.0) -> dict | None:
-    with socket.create_connection(address, timeout=timeout) as s:
-        s.sendall(frame)
-        head = s.recv(8)
-        if len(head) < 8:
-            return None
-        hlen, plen = struct.unpack("!II", head)
-        data = b""
-        while len(data) < hlen + plen:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        return json.loads(data[:hlen])
+def _raw_request(address, header, payload=b"", secret=None) -> dict:
+    with RawControl(address, secret=secret) as c:
+        c.handshake()
+        return c.request(header, payload)
 
 
 def test_replayed_and_forged_control_messages_are_refused():
     a, b, _, (tb, lb) = make_pair(SECRET, SECRET)
     try:
-        auth = Authenticator(SECRET)
         notify = {"type": "notify", "from": "mallory", "transfer_id": "x", "op": "write", "region": "kv",
                   "blocks": [0, 1]}
-        stamped = auth.stamp(notify, b"p")
-        first = _raw_request(b.address, _pack(stamped, b"p"))
-        assert first["ok"] is True  # a correctly signed message is accepted once...
-        again = _raw_request(b.address, _pack(stamped, b"p"))
-        assert again == {"ok": False, "error": "AuthenticationError",
-                         "message": again["message"]} and "replay" in again["message"]
-        tampered = dict(auth.stamp(notify, b"p"), blocks=[2, 3])
-        assert "does not verify" in _raw_request(b.address, _pack(tampered, b"p"))["message"]
-        old = dict(notify, ts=time.time() - 3600, nonce="ab" * 16)
-        old["mac"] = auth._mac(json.dumps({k: v for k, v in old.items()}, sort_keys=True,
-                                          separators=(",", ":")).encode(), b"p")
-        assert "timestamp" in _raw_request(b.address, _pack(old, b"p"))["message"]
-        assert "no MAC" in _raw_request(b.address, _pack(notify, b"p"))["message"]
+        with RawControl(b.address, secret=SECRET) as c:  # a holder of the secret: accepted once
+            c.handshake()
+            assert c.request(notify, b"p")["ok"] is True
+            captured = c.last_frame
+            c.send_raw(captured)  # the same frame again on its own connection: its sequence number fails
+            with pytest.raises(Refused, match="sequence number 1 is not above the last one"):
+                c.reply()
+        with RawControl(b.address, secret=SECRET) as c:  # on another connection: the MAC fails
+            c.handshake()
+            c.send_raw(captured)
+            with pytest.raises(Refused, match="MAC does not verify"):
+                c.reply()
+        with RawControl(b.address, secret=SECRET) as c:  # tampered: a header byte changed after signing
+            c.handshake()
+            frame = bytearray(c.frame(notify, b"p"))
+            frame[frame.index(b"[0,1]") + 1] = ord("2")
+            c.send_raw(bytes(frame))
+            with pytest.raises(Refused, match="MAC does not verify"):
+                c.reply()
+        with RawControl(b.address, secret=b"not-the-deployment-secret") as c:  # wrong secret: the proof fails
+            c.handshake()
+            c.send_raw(c.frame(notify, b"p"))
+            with pytest.raises(Refused, match="proof of the session key does not verify"):
+                c.reply()
+        with RawControl(b.address) as c:  # no secret at all
+            with pytest.raises(Refused, match="no shared secret"):
+                c.handshake()
         assert len(b.notifications()) == 1  # only the first, genuine one
         assert_untouched(lb, tb, [])
+    finally:
+        a.close(), b.close()
+
+
+def test_the_handshake_name_not_the_header_says_who_sent_it():
+    a, b, _, _ = make_pair(None, None)
+    try:
+        with RawControl(b.address, name="honest-name") as c:
+            c.handshake()
+            assert c.request({"type": "message", "from": "someone-else"}, b"hi")["ok"] is True
+        (note,) = b.notifications()
+        assert note.peer == "honest-name" and note.payload == b"hi"
     finally:
         a.close(), b.close()
 
@@ -153,8 +180,8 @@ def test_forged_notification_outside_the_layout_is_refused():
     a, b, _, (tb, lb) = make_pair(None, None)
     try:
         for blocks, pattern in (([lb.num_blocks], "contain id"), ([-1], "negative"), ([1, 1], "repeat")):
-            reply = _raw_request(b.address, _pack({"type": "notify", "from": "m", "transfer_id": "t",
-                                                   "op": "write", "region": "kv", "blocks": blocks}))
+            reply = _raw_request(b.address, {"type": "notify", "from": "m", "transfer_id": "t",
+                                             "op": "write", "region": "kv", "blocks": blocks})
             assert reply["ok"] is False and reply["error"] == "BlockIdError" and pattern in reply["message"]
         assert b.notifications() == []
     finally:
@@ -179,7 +206,7 @@ def test_fuzzed_control_bytes_never_crash_the_server(target, data):
     with socket.create_connection(agent.address, timeout=2) as s:
         s.sendall(data)
     # the server is still there and still correct
-    reply = _raw_request(agent.address, _pack({"type": "hello", "from": "probe", "agent_id": "x"}))
+    reply = _raw_request(agent.address, {"type": "hello", "from": "probe", "agent_id": "x"})
     assert reply["ok"] is True and reply["agent_id"] == agent.agent_id
     agent.notifications()
     assert_untouched(layout, tensors, [])
@@ -192,7 +219,7 @@ def test_fuzzed_control_bytes_never_crash_the_server(target, data):
                                             ["notify", "write", "read", "kv", "message", "ucx.x"]))))
 def test_fuzzed_control_messages_get_typed_refusals(target, header):
     agent, tensors, layout = target
-    reply = _raw_request(agent.address, _pack(header, b""))
+    reply = _raw_request(agent.address, header)
     assert isinstance(reply, dict) and isinstance(reply.get("ok"), bool)
     if not reply["ok"]:
         import xfer.errors as errors
@@ -297,6 +324,9 @@ def test_metrics_and_transfer_logs(caplog):
                 bad.wait()
         get = prometheus_client.REGISTRY.get_sample_value
         labels = {"agent": "a", "op": "write", "path": "local"}
+        end = time.monotonic() + 2  # the metrics are counted right after wait() returns, on the transport's thread
+        while get("xfer_errors_total", dict(labels, error="NotRegisteredError")) is None and time.monotonic() < end:
+            time.sleep(0.01)
         assert get("xfer_bytes_total", labels) >= t.nbytes
         assert get("xfer_transfers_total", dict(labels, state="DONE")) >= 1
         assert get("xfer_errors_total", dict(labels, error="NotRegisteredError")) >= 1

@@ -90,7 +90,8 @@ class Agent:
             if reason is not None:
                 self.unavailable[kind] = reason
         self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
-                                     max_payload=self.config.max_notify_bytes, auth=self._auth)
+                                     max_payload=self.config.max_notify_bytes, auth=self._auth,
+                                     identity=(self.agent_id, name), limits=config.settings.control)
         self._host_id = ctx.host_id
         self.metrics = Metrics(name)
 
@@ -162,7 +163,9 @@ class Agent:
         md = md_codec.decode(peer_metadata, auth=self._auth)
         if md.agent_id == self.agent_id:
             raise InvalidArgumentError(f"agent {self.name!r} cannot connect to itself")
-        client = ControlClient(md.control, md.name, self.config.connect_timeout_s, auth=self._auth)
+        client = ControlClient(md.control, md.name, self.config.connect_timeout_s, auth=self._auth,
+                               identity=(self.agent_id, self.name), peer_id=md.agent_id,
+                               max_header=self.config.settings.control.max_header)
         deadline = time.monotonic() + self.config.connect_timeout_s
         reply, _ = client.request({"type": "hello", "from": self.name, "agent_id": self.agent_id}, deadline=deadline)
         try:

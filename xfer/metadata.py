@@ -1,8 +1,8 @@
 """What one agent tells its peers: identity, control endpoint, transports, registered regions.
 
 Wire form: ``b"XFMD"`` · version (u16) · payload length (u32) · CRC-32 of payload (u32) · JSON.
-Decoding checks every field's type and raises :class:`MetadataError` naming what is wrong;
-no pickle, nothing is executed.
+Decoding checks every field's type and raises :class:`MetadataError` naming what is wrong
+(JSON of any depth, size or shape included: :func:`xfer.guard.loads`); no pickle, nothing is executed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
-from .errors import LayoutError, MetadataError
+from . import guard
+from .errors import InvalidArgumentError, LayoutError, MetadataError
 from .layout import KVLayout
 
 __all__ = ["AgentMetadata", "RegionRecord", "encode", "decode", "VERSION"]
@@ -21,6 +22,7 @@ MAGIC = b"XFMD"
 VERSION = 1
 _HEADER = struct.Struct("!4sHII")
 MAX_METADATA_BYTES = 64 << 20
+MAX_DEPTH = 16  # agent -> regions -> region -> exports -> transport -> descriptor: 5 today
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,9 @@ def decode(blob: bytes, auth=None) -> AgentMetadata:
     if zlib.crc32(body) != crc:
         raise MetadataError(f"metadata checksum mismatch: expected {crc:#010x}, got {zlib.crc32(body):#010x}")
     try:
-        d = json.loads(body.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MetadataError(f"metadata payload is not JSON: {exc}") from None
-    if not isinstance(d, dict):
-        raise MetadataError(f"metadata payload must be an object, got {type(d).__name__}")
+        d = guard.loads(body, max_bytes=MAX_METADATA_BYTES, max_depth=MAX_DEPTH, what="metadata payload")
+    except InvalidArgumentError as exc:
+        raise MetadataError(str(exc)) from None
     if auth is not None:
         auth.check_metadata(d)
     control = _need(d, "control", list, "agent")
@@ -117,8 +117,11 @@ def decode(blob: bytes, auth=None) -> AgentMetadata:
     for kind, info in transports.items():
         if not isinstance(info, dict):
             raise MetadataError(f"metadata transport {kind!r} info must be an object")
+    agent_id = _need(d, "agent_id", str, "agent")
+    if not 0 < len(agent_id.encode()) <= 32:
+        raise MetadataError(f"metadata agent.agent_id must be 1..32 bytes, got {agent_id[:40]!r}")
     return AgentMetadata(
-        name=_need(d, "name", str, "agent"), agent_id=_need(d, "agent_id", str, "agent"),
+        name=_need(d, "name", str, "agent"), agent_id=agent_id,
         pid=_need(d, "pid", int, "agent"), hostname=_need(d, "hostname", str, "agent"),
         host_id=_need(d, "host_id", str, "agent"), control=(control[0], control[1]),
         transports=transports, regions=regions,

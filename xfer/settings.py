@@ -20,8 +20,7 @@ from typing import Mapping
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "CopySettings", "OneSidedSettings", "FenceSettings",
-           "SglangSettings",
+__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "ControlSettings", "CopySettings", "OneSidedSettings", "FenceSettings", "SglangSettings",
            "EngineSettings", "TUNED_UCX", "FOREIGN", "current", "reload", "render_markdown", "parse_bytes"]
 
 
@@ -30,7 +29,7 @@ class Knob:
     """One setting: ``env`` overrides ``default``; ``group.field`` is where it is held."""
 
     env: str
-    group: str  # the Settings attribute (ucx, copy, onesided, fence, agent, sglang, engine) or "bench"
+    group: str  # the Settings attribute (ucx, control, copy, onesided, fence, agent, sglang, engine) or "bench"
     field: str
     kind: str  # int (K/M suffixes allowed), bytes (same), bool, float, str, list (comma-separated)
     default: object
@@ -42,6 +41,27 @@ KNOBS: tuple[Knob, ...] = (
     Knob("XFER_SECRET", "agent", "secret", "str", None, "",
          "the deployment's shared secret (>= 16 bytes), AgentConfig.secret's default: metadata and every control "
          "message are signed and checked; unset: off"),
+    Knob("XFER_CONTROL_MAX_CONNS", "control", "max_conns", "int", 512, "connections",
+         "connections the control port holds at once (also capped at a quarter of the process's file limit); past "
+         "it the oldest one still in its handshake is closed, else the new one is refused"),
+    Knob("XFER_CONTROL_MAX_CONNS_PER_HOST", "control", "max_conns_per_host", "int", 128, "connections",
+         "connections from one peer address at once (loopback peers share one)"),
+    Knob("XFER_CONTROL_MAX_PENDING", "control", "max_pending", "int", 64, "connections",
+         "connections still in their handshake at once; a new one past it closes the oldest (a flood of idle "
+         "sockets cannot lock peers out)"),
+    Knob("XFER_CONTROL_HANDSHAKE_S", "control", "handshake_s", "float", 5.0, "s",
+         "a connection must prove the key (or, without a secret, finish the handshake) this soon after it opens"),
+    Knob("XFER_CONTROL_FRAME_S", "control", "frame_s", "float", 10.0, "s",
+         "a frame must arrive whole this soon after its first byte, and a reply be read this soon (slow senders "
+         "and readers cannot hold buffers)"),
+    Knob("XFER_CONTROL_IDLE_S", "control", "idle_s", "float", 300.0, "s",
+         "an authenticated connection with no request for this long is closed (clients reconnect by themselves: "
+         "the server announces it in its handshake)"),
+    Knob("XFER_CONTROL_MAX_HEADER", "control", "max_header", "bytes", 1 << 20, "bytes",
+         "largest JSON header of an authenticated request (a batch of notices with their block lists)"),
+    Knob("XFER_CONTROL_BUFFER_BYTES", "control", "buffer_bytes", "bytes", 64 << 20, "bytes",
+         "bytes of unfinished frames the control port holds over all connections; past it the connection holding "
+         "most is closed"),
     Knob("XFER_FENCE_GRACE_S", "fence", "grace_s", "float", 1.0, "s",
          "a stopping transfer waits this long for its peer's confirmation (ucx: that it dropped the flow; local, "
          "ipc: the reply to its last notice) before ucx closes the connection to end the flow's receives"),
@@ -244,6 +264,34 @@ class UcxSettings:
 
 
 @dataclass(frozen=True)
+class ControlSettings:
+    """Limits of the control port (``XFER_CONTROL_*``; each explained in :data:`KNOBS`, and in
+    docs/security.md with the threat model)."""
+
+    max_conns: int = 512
+    max_conns_per_host: int = 128
+    max_pending: int = 64
+    handshake_s: float = 5.0
+    frame_s: float = 10.0
+    idle_s: float = 300.0
+    max_header: int = 1 << 20
+    buffer_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_conns", "max_conns_per_host", "max_pending"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"control.{name} must be an int >= 1, got {value!r}")
+        for name in ("handshake_s", "frame_s", "idle_s"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and 0 < value < float("inf"),
+                   f"control.{name} must be a finite number > 0 seconds, got {value!r}")
+        _check(isinstance(self.max_header, int) and 4096 <= self.max_header < 1 << 32,
+               f"control.max_header must be an int in 4096 .. 2**32-1, got {self.max_header!r}")
+        _check(isinstance(self.buffer_bytes, int) and self.buffer_bytes >= 2 * self.max_header,
+               f"control.buffer_bytes must be an int >= 2 x max_header, got {self.buffer_bytes!r}")
+
+
+@dataclass(frozen=True)
 class CopySettings:
     """How block copies touching CUDA memory pick their path (see ``xfer.kernels``)."""
 
@@ -288,8 +336,8 @@ class EngineSettings:
     tp_backend: str = "gloo"
 
 
-_GROUPS = {"ucx": UcxSettings, "copy": CopySettings, "onesided": OneSidedSettings, "fence": FenceSettings,
-           "sglang": SglangSettings, "engine": EngineSettings}
+_GROUPS = {"ucx": UcxSettings, "control": ControlSettings, "copy": CopySettings, "onesided": OneSidedSettings, "sglang": SglangSettings,
+           "engine": EngineSettings}
 
 
 @dataclass(frozen=True)
@@ -297,6 +345,7 @@ class Settings:
     """Every settings group; ``secret`` is the ``XFER_SECRET`` default of ``AgentConfig.secret``."""
 
     ucx: UcxSettings = field(default_factory=UcxSettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
     copy: CopySettings = field(default_factory=CopySettings)
     onesided: OneSidedSettings = field(default_factory=OneSidedSettings)
     fence: FenceSettings = field(default_factory=FenceSettings)
