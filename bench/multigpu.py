@@ -124,7 +124,8 @@ def plan(n: int, *, quick: bool, parts: tuple[str, ...] = PARTS, have: dict | No
     add("ipc", [py, "-m", m + "ipc_bench", "--device", str(a), "--peer-device", str(b), "--no-copy-paths",
                 "--peer-ceiling", "--pull-burst", "--window", "8", "--iters", it(30, 5), "--out", "ipc.json"],
         out="ipc.json")
-    add("p2p", [py, "-m", m + "p2p_probe", "--local", str(a), "--peer", str(b), "--out", "p2p.json"], out="p2p.json")
+    add("p2p", [py, "-m", m + "p2p_probe", "--local", str(a), "--peer", str(b), "--out", "p2p.json",
+                *(["--allocs", "legacy"] if quick else [])], out="p2p.json")
     add("nvshmem", [py, "-m", m + "nvshmem_bench", "--pes", "2", "--device", str(a), "--peer-device", str(b),
                     "--peer-ceiling", "--burst-window", "2", "--iters", it(30, 5), "--out", "nvshmem.json"],
         out="nvshmem.json",

@@ -173,6 +173,15 @@ def markdown(doc: dict, file: str) -> str:
         met = "-" if r["met"] is None else ("yes" if r["met"] else "**no**")
         lines.append(f"| {r['pair']} | {r['what']} | {_gb(r['gb_per_s'])} | {r['ceiling']} | "
                      f"{_gb(r['ceiling_gb_per_s'])} | {ratio} | {goal} | {met} | {r['note'] or ''} |")
+    probe = _result(doc, "p2p")
+    if probe:
+        lines += ["", f"How a copy on GPU {probe['local']} reaches GPU {probe['peer']}'s CUDA-IPC-mapped cache "
+                      "(bench/p2p_probe.py):", "", "| peer's allocator | mapping | pull | push | pull GB/s | error |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for v in probe.get("variants", []):
+            yes = (lambda k: "-" if k not in v else "ok" if v[k] else "**wrong**")  # noqa: E731
+            lines.append(f"| {v.get('allocation')} | {v.get('variant', '-')} | {yes('pull_ok')} | {yes('push_ok')} | "
+                         f"{_gb(v.get('pull_gb_per_s'))} | {v.get('skipped') or v.get('error') or ''} |")
     lines += ["", "| part | status | s | note |", "| --- | --- | --- | --- |"]
     for key, rec in doc.get("parts", {}).items():
         note = rec.get("reason") or ""

@@ -16,8 +16,12 @@ one variant per process (a fault kills a process's CUDA context, not the probe):
 - ``copy engines, as the transport maps it``: the first mapping, copied by ``cudaMemcpyBatchAsync``.
 
 Each variant pulls 128 blocks of the peer's cache into its own (checked against the peer's
-digests), pushes 128 others back (the peer checks them), then times the pull. With A == B (one
-GPU) every variant is the one-GPU case: the probe then only shows that it runs.
+digests), pushes 128 others back (the peer checks them), then times the pull. Every variant runs
+against a peer whose cache comes from torch's default allocator (``legacy``: one
+``cudaIpcMemHandle`` per allocation) and one with ``expandable_segments`` (virtual memory:
+torch maps the imported segment itself and grants access to the device it opens it under and to
+those its own allocator enabled peer access for, which a raw ``cudaDeviceEnablePeerAccess`` is not). With A == B (one GPU) every variant is the
+one-GPU case: the probe then only shows that it runs.
 """
 
 from __future__ import annotations
@@ -57,9 +61,13 @@ def _set_blocks(layout, tensors, ids, make) -> None:
         v[idx] = make(shape[:-1] + (shape[-1] * v.element_size(),), v.device).view(v.dtype)
 
 
-def _exporter(conn, device: int) -> None:
-    """The peer: a random KV cache on ``device``, exported; answers digests of its blocks."""
+def _exporter(conn, device: int, alloc: str) -> None:
+    """The peer: a random KV cache on ``device`` (``alloc``: legacy or expandable), exported;
+    answers digests of its blocks."""
     import torch
+
+    if alloc == "expandable":  # before this process's first CUDA allocation
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
     from xfer import make_kv_cache
     from xfer.bench.target import POISON, block_digests
@@ -165,30 +173,22 @@ def _call(ctx, target, args, timeout: float) -> dict:
             proc.join(5)
 
 
-def main(argv=None) -> dict:
-    import os
-
-    os.environ.update(NO_MULTICAST)
-    p = argparse.ArgumentParser(prog="xfer-p2p-probe", description=__doc__.splitlines()[0])
-    p.add_argument("--local", type=int, default=0, help="the GPU whose copies reach into the peer (default 0)")
-    p.add_argument("--peer", type=int, default=1, help="the GPU holding the peer's cache (default 1)")
-    p.add_argument("--timeout-s", type=float, default=90.0, help="bound of each process's work")
-    p.add_argument("--out", help="write the results as JSON here")
-    args = p.parse_args(argv)
-    ctx = mp.get_context("spawn")
+def _probe(ctx, args, alloc: str, out: list) -> None:
+    """Every variant against one peer process whose cache ``alloc`` allocated."""
     reader, writer = ctx.Pipe()
-    exporter = ctx.Process(target=_exporter, args=(writer, args.peer), daemon=True)
+    exporter = ctx.Process(target=_exporter, args=(writer, args.peer, alloc), daemon=True)
     exporter.start()
-    doc = {"bench": "p2p_probe", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "local": args.local, "peer": args.peer, "variants": []}
     try:
         if not reader.poll(args.timeout_s):
-            raise SystemExit(f"p2p probe: the peer process on GPU {args.peer} did not start")
+            out.append({"allocation": alloc, "error": f"the peer process on GPU {args.peer} did not start"})
+            return
         peer = reader.recv()
         if "error" in peer:
-            raise SystemExit(f"p2p probe: the peer process failed: {peer['error']}")
+            out.append({"allocation": alloc, "error": f"the peer process failed: {peer['error']}"})
+            return
         for variant in VARIANTS:
-            res = _call(ctx, _importer, (args.local, args.peer, peer["shares"], variant), args.timeout_s)
+            res = {"allocation": alloc, **_call(ctx, _importer, (args.local, args.peer, peer["shares"], variant),
+                                                args.timeout_s)}
             if "pull_digests" in res:
                 res["pull_ok"] = res.pop("pull_digests") == peer["pull_digests"]
             if "push_digests" in res:
@@ -198,11 +198,11 @@ def main(argv=None) -> dict:
             if reader.poll(args.timeout_s):
                 reader.recv()
             res["ok"] = bool(res.get("pull_ok") and res.get("push_ok"))
-            doc["variants"].append(res)
-            print(f"{variant:<42} " + (f"skipped: {res['skipped']}" if "skipped" in res else
-                  f"pull {'ok' if res.get('pull_ok') else 'WRONG'}, push {'ok' if res.get('push_ok') else 'WRONG'}, "
-                  f"{res['pull_gb_per_s']:.0f} GB/s" if "pull_gb_per_s" in res else f"error: {res.get('error')}"),
-                  flush=True)
+            out.append(res)
+            verdict = (f"skipped: {res['skipped']}" if "skipped" in res else
+                       f"pull {'ok' if res.get('pull_ok') else 'WRONG'}, push {'ok' if res.get('push_ok') else 'WRONG'}, "
+                       f"{res['pull_gb_per_s']:.0f} GB/s" if "pull_gb_per_s" in res else f"error: {res.get('error')}")
+            print(f"{alloc:<11}{variant:<42} {verdict}", flush=True)
     finally:
         try:
             reader.send("stop")
@@ -211,6 +211,26 @@ def main(argv=None) -> dict:
         exporter.join(10)
         if exporter.is_alive():
             exporter.kill()
+
+
+def main(argv=None) -> dict:
+    import os
+
+    os.environ.update(NO_MULTICAST)
+    p = argparse.ArgumentParser(prog="xfer-p2p-probe", description=__doc__.splitlines()[0])
+    p.add_argument("--local", type=int, default=0, help="the GPU whose copies reach into the peer (default 0)")
+    p.add_argument("--peer", type=int, default=1, help="the GPU holding the peer's cache (default 1)")
+    p.add_argument("--timeout-s", type=float, default=90.0, help="bound of each process's work")
+    p.add_argument("--allocs", default="legacy,expandable", help="the peer's allocators to probe (default both)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not set(args.allocs.split(",")) <= {"legacy", "expandable"}:
+        p.error(f"--allocs takes legacy and/or expandable, got {args.allocs!r}")
+    ctx = mp.get_context("spawn")
+    doc = {"bench": "p2p_probe", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "local": args.local, "peer": args.peer, "variants": []}
+    for alloc in args.allocs.split(","):
+        _probe(ctx, args, alloc, doc["variants"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)

@@ -160,6 +160,11 @@ def _doc(ipc_ceiling=True):
                 "engine": ok({"correct_by_variant": {"token message": {"equal": True}}, "variants": {"token message": {
                     "transfer_share_pct": 1.2, "added_ms": {"median": 1.5}, "ttft_no_transfer_ms": 120.0}}}),
                 "tests": {"status": "ok", "wall_s": 9.0, "counts": {"passed": 12, "skipped": 1}},
+                "p2p": ok({"local": 0, "peer": 1, "variants": [
+                    {"allocation": "legacy", "variant": "as the ipc transport maps it", "error": "RuntimeError: CUDA "
+                     "error: an illegal memory access was encountered"},
+                    {"allocation": "legacy", "variant": "+ peer access enabled", "pull_ok": True, "push_ok": True,
+                     "pull_gb_per_s": 350.0}]}),
                 "ucx": {"status": "failed", "wall_s": 3.0, "log_tail": "...\nRuntimeError: no CUDA support"},
             }}
 
@@ -194,6 +199,8 @@ def test_table_falls_back_to_the_ceiling_part_and_renders_the_readme_rows():
     text = multigpu_table.markdown(doc, "f.json")
     assert "| tests | ok | 9.0 | 12 passed, 1 skipped |" in text
     assert "| ucx | failed | 3.0 | RuntimeError: no CUDA support |" in text
+    assert "| legacy | + peer access enabled | ok | ok | 350 GB/s |  |" in text
+    assert "| legacy | as the ipc transport maps it | - | - | - | RuntimeError: CUDA error: an illegal" in text
 
 
 def test_table_of_a_one_gpu_smoke_run_names_the_device_copy():
