@@ -9,7 +9,6 @@ GPUs, the ceiling and the NCCL baseline on real devices."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
