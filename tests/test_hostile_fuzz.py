@@ -1,0 +1,117 @@
+"""Fuzzing both listeners of a victim agent (issue 30): random bytes, and valid frames with bytes
+flipped, cut or appended, at every stage of each protocol (before the handshake, during it, after
+it with the key). Bounded: a few seconds each in CI. The victim runs in its own process; after
+the run it must still serve a legitimate peer byte for byte, with every block outside that write
+still poisoned, and hold no more descriptors than before."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import small_dims
+from hostile_helpers import SECRET, RawControl, Refused, Victim, assert_victim_holds, legit_write
+from xfer import LayoutKind, frames
+from xfer import metadata as md_codec
+from xfer.frames import Kind
+
+KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
+DIMS = small_dims(KIND, blocks=16)
+FUZZ = settings(max_examples=80, deadline=None, derandomize=False,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def victim():
+    v = Victim("fuzz-victim", KIND, DIMS, secret=SECRET, enable=("local", "ucx"),
+               env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    v.fds_before = v.fds()
+    yield v
+    try:
+        expected = legit_write(KIND, DIMS, v.metadata, secret=SECRET, enable=("local",), src=(2, 3), dst=(7, 8))
+        assert_victim_holds(v, expected, (7, 8))
+        assert v.fds() - v.fds_before <= 8
+    finally:
+        v.close()
+
+
+def _control(v):
+    return md_codec.decode(v.metadata).control
+
+
+def _mutate(data: bytes, edits) -> bytes:
+    out = bytearray(data)
+    for kind, at, value in edits:
+        if not out and kind != "append":
+            continue
+        i = at % max(len(out), 1)
+        if kind == "flip":
+            out[i] ^= value or 1
+        elif kind == "cut":
+            del out[i:]
+        else:
+            out[i:i] = bytes([value]) * (1 + at % 64)
+    return bytes(out)
+
+
+EDITS = st.lists(st.tuples(st.sampled_from(["flip", "cut", "append"]), st.integers(0, 10_000), st.integers(0, 255)),
+                 min_size=1, max_size=4)
+
+
+def _send(address, data: bytes, *, then_read: bool = True) -> None:
+    try:
+        with socket.create_connection(address, timeout=2) as s:
+            s.sendall(data)
+            if then_read:
+                s.settimeout(0.01)
+                try:
+                    s.recv(4096)
+                except (socket.timeout, ConnectionResetError):
+                    pass
+    except OSError:
+        pass
+
+
+@FUZZ
+@given(data=st.binary(max_size=800))
+def test_fuzz_control_random_bytes(victim, data):
+    _send(_control(victim), data)
+
+
+@FUZZ
+@given(edits=EDITS)
+def test_fuzz_control_mutated_hello(victim, edits):
+    hello = frames.hello_body("f" * 32, "fuzzer", None, True, bytes(16))
+    _send(_control(victim), _mutate(frames.frame(Kind.HELLO, hello), edits))
+
+
+@FUZZ
+@given(edits=EDITS, header=st.sampled_from([b'{"type":"hello"}', b'{"type":"notify","op":"write","region":"kv",'
+                                            b'"blocks":[1,2],"transfer_id":"t"}', b'{"type":"ucx.x"}', b"[" * 3000]),
+       payload=st.binary(max_size=64))
+def test_fuzz_control_mutated_requests_with_the_key(victim, edits, header, payload):
+    """An insider (it holds the secret) sending mutated requests: refused or answered, never more."""
+    try:
+        with RawControl(_control(victim), secret=SECRET, timeout=2) as c:
+            c.handshake()
+            frame = c.frame(header, payload)
+            c.send_raw(_mutate(frame, edits))
+            c.sock.settimeout(0.02)
+            try:
+                c.read_frame()
+            except (Refused, OSError):
+                pass
+    except (Refused, OSError):
+        pass
+
+
+def test_fuzz_control_leaves_the_victim_serving(victim):
+    assert victim.logged("control port", "dropped peer")
+    expected = legit_write(KIND, DIMS, victim.metadata, secret=SECRET, enable=("local",), src=(4,), dst=(9,))
+    assert_victim_holds(victim, expected, (9,))
+    victim.call("poison")
+    time.sleep(0.2)
