@@ -247,11 +247,14 @@ def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode)
     decode.signal(signal.SIGSTOP)  # alive, holds its sockets, answers nothing
     start = time.monotonic()
     t = agent.write(peer, list(range(128)), list(range(128)), timeout=1.0)
-    with pytest.raises(TransferTimeoutError):
-        t.wait()
-    assert time.monotonic() - start < 1.5
-    assert t.poll() is TransferState.TIMED_OUT
-    decode.signal(signal.SIGCONT)
+    try:
+        with pytest.raises(TransferTimeoutError):
+            t.wait()
+        # its stop waited the fence grace for the peer's STOPPED, then closed the connection
+        assert time.monotonic() - start < 1.0 + GRACE + 0.5
+        assert t.poll() is TransferState.TIMED_OUT
+    finally:
+        decode.signal(signal.SIGCONT)
     time.sleep(0.5)  # it wakes up past the deadline: it must drop the transfer, not deliver it
     assert decode.call("notifications") == []
     agent.write(peer, [3], [3], notify=b"after").wait()  # the connection is still good
@@ -592,43 +595,50 @@ def test_chunks_sent_from_the_blocks_are_byte_exact_both_ways(monkeypatch, env, 
 
 
 @pytest.mark.parametrize("ended", ["by UCX", "never"])
-def test_a_failed_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, ended):
-    """A flow whose chunks land straight in its blocks, failed (here: cancelled) while a receive
-    of it is in flight, is held by the engine (its CANCEL to the peer not sent) until no receive
-    may still write the blocks: until UCX ends that receive, or, if its end is never heard of,
-    after the connection was closed to stop it (``HOLD_S``). The agent then reconnects."""
+def test_a_stopped_flow_is_held_while_a_receive_lands_in_place(monkeypatch, env, ended):
+    """A READ whose chunks land straight in its blocks, cancelled while a receive of it is in
+    flight, reads STOPPING until no receive may still write the blocks: until UCX ends that
+    receive (the peer confirmed its side at once), or, if its end is not heard of within the fence
+    grace, after the connection was closed to stop it; a receive never heard of leaves it STOPPING
+    (no false fence: wait() says so). The agent then reconnects."""
     both = {"XFER_UCX_IOV_MIN_BYTES": "0", "XFER_UCX_CHUNK_BYTES": "64K"}
-    from xfer.transports.ucx import tables
     from xfer.transports.ucx.flow import Flow
-    from xfer.transports.ucx.tables import HOLD_S
 
     for k, v in both.items():
         monkeypatch.setenv(k, v)
     heard, real = [], Flow.landed_in_place
     monkeypatch.setattr(Flow, "landed_in_place", lambda self, slot, err: heard.append((self, slot, err)))
-    if ended == "by UCX":  # no closing while the test looks
-        monkeypatch.setattr(tables, "HOLD_S", 30.0)
     tensors, layout = make_kv_cache(KIND, **SEED)
     poison(tensors)
     with linked(UcxPeer("held", KIND, SEED, seed=15, env=both), {"kv": (tensors, layout)}, me="me") as (agent, name, _):
         engine = agent.transports[next(k for k in agent.transports if k.value == "ucx")]._engine
-        t = agent.read(name, list(range(1, 256, 2)), list(range(128)))
+        grace = engine.flows.grace
+        if ended == "by UCX":  # no closing while the test looks
+            engine.flows.grace = 30.0
+        t = agent.read(name, list(range(1, 256, 2)), list(range(128)), timeout=10)
         wait_until(lambda: heard, 10, "a chunk received in place")  # UCX ended it; the flow has not heard
         assert "received in place" in t.path
-        conn = heard[0][0].conn
+        flow = heard[0][0]
+        conn = flow.conn
         assert t.cancel()
-        wait_until(engine.flows.held, 5, "the failed flow held")
+        wait_until(lambda: flow.peer_fenced, 5, "the peer's STOPPED")
+        time.sleep(0.3)
+        assert t.poll() is TransferState.STOPPING and not flow.settled()
         if ended == "by UCX":
-            time.sleep(0.3)
-            assert engine.flows.held() and not conn.dead  # still held: the receive never ended, as far as it knows
-            engine.call_soon(lambda: [real(*h) for h in heard])
-            wait_until(lambda: not engine.flows.held(), 5, "the flow released")
             assert not conn.dead
-        else:  # never heard of: the connection is closed, then the failure reported anyway (logged)
-            start = time.monotonic()
-            wait_until(lambda: not engine.flows.held(), 4 * HOLD_S + 2, "the flow released")
-            assert conn.dead and time.monotonic() - start > 0.5 * HOLD_S
+            engine.call_soon(lambda: [real(*h) for h in heard])
+            with pytest.raises(TransferCancelledError):
+                t.wait()
+            assert not conn.dead
+        else:  # not heard of: the connection is closed after the grace; still not fenced as far as it knows
+            wait_until(lambda: conn.dead, grace + 2, "the connection closed")
+            with pytest.raises(TransferTimeoutError, match="still STOPPING"):
+                t.wait(timeout=0.5)
+            engine.call_soon(lambda: [real(*h) for h in heard])
+            with pytest.raises(TransferCancelledError):
+                t.wait()
         monkeypatch.setattr(Flow, "landed_in_place", real)
+        engine.flows.grace = grace
         agent.write(name, [3], [3]).wait()  # the agent is still good (reconnected where it closed)
 
 
@@ -840,7 +850,7 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
     proto._ep_closed(conn)
     assert conn.closed and not conn.dead and len(deferred) == 1  # failing the conn waits for the loop
     ended = []
-    flow = SimpleNamespace(conn=conn, tid="t1", key=1, sent=lambda slot, err: ended.append((slot, err)))
+    flow = SimpleNamespace(conn=conn, tid="t1", key=1, sends=0, sent=lambda slot, err: ended.append((slot, err)))
     data = DataPath(engine, SimpleNamespace(send_iov=lambda *a: pytest.fail("sent on a closed endpoint")))
     data.send_iov(flow, SimpleNamespace(seq=0), "slot", np.zeros((1, 2), dtype=np.uint64))
     assert ended and ended[0][0] == "slot" and isinstance(ended[0][1], PeerDisconnectedError)
@@ -1079,6 +1089,9 @@ def test_device_copies_are_polled_until_their_event_completes():
     assert flows.device_reqs() and flows.target(1, 2) is flow and flow.conn.flows == {flow: None}
     cb(None)
     assert flow.dev_reqs == 0 and ended == [None] and not flows.device_reqs()
+
+
+GRACE = AgentConfig().settings.fence.grace_s
 
 
 # ---- GPU: device regions, GPU-direct -------------------------------------------------------------

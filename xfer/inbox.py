@@ -134,7 +134,8 @@ class Inbox:
                                             fingerprint=e.get("fingerprint"))
                 local_deadline(e.get("ttl"), self._late(header, e, what), time.monotonic(), what=what)
                 hold = self._grants.hold(region, ids, writes=op is Op.WRITE, peer=sender,
-                                         tid=str(e.get("transfer_id")), pid=pid, host=str(host))
+                                         tid=str(e.get("transfer_id")), owner=(sender, pid, str(host)), pid=pid,
+                                         host=str(host))
                 granted[str(i)] = hold.id
             except XferError as exc:
                 failed[str(i)] = error_reply(exc)

@@ -8,8 +8,12 @@ arrives, or its process is gone; UCX once the flow completed or was dropped and 
 sends ended. :class:`Grants` owns the table (one per agent, any thread):
 
 - ``hold`` refuses (:class:`~xfer.errors.BlocksBusyError`) a transfer that would write blocks an
-  unfenced transfer still holds, or read blocks one still writes: a second writer never races the
-  first one's late bytes; it is refused before any byte moves (retry once the first ended).
+  unfenced transfer of another *owner* still holds, or read blocks one still writes: a second
+  writer never races the first one's late bytes; it is refused before any byte moves (retry once
+  the first ended). The owner is the initiator's ordered channel (a UCX connection, a one-sided
+  initiator process): its own overlapping transfers are its own order to keep, and a stop it
+  reported was confirmed on that channel; a transfer stopped by closing its connection, whose
+  late bytes may still land, belongs to the closed one.
 - ``revoke`` marks the holds on some blocks revoked (no notice of them is delivered from then on;
   the transport's ``on_revoke`` stops what it can) and returns once each one ended, or raises
   :class:`~xfer.errors.FenceTimeoutError` after its timeout: the caller must then keep the blocks
@@ -53,11 +57,13 @@ class Hold:
     initiator on this host: once it is gone, its copies are too); ``revoked``: the target gave the
     blocks back (nothing of it may be delivered); ``on_revoke(hold)``: the transport's cue."""
 
-    __slots__ = ("id", "region", "ids", "writes", "peer", "tid", "pid", "host", "revoked", "on_revoke", "_latch")
+    __slots__ = ("id", "region", "ids", "writes", "peer", "tid", "pid", "host", "owner", "revoked", "on_revoke",
+                 "_latch")
 
     def __init__(self, hid: int, region: LocalRegion, ids: np.ndarray, writes: bool, peer: str, tid: str,
-                 pid: int | None, host: str | None, on_revoke: Callable | None):
+                 pid: int | None, host: str | None, owner, on_revoke: Callable | None):
         self.id, self.region, self.ids, self.writes, self.peer, self.tid = hid, region, ids, writes, peer, tid
+        self.owner = owner
         self.pid, self.host, self.on_revoke, self.revoked = pid, host, on_revoke, False
         self._latch = _thread.allocate_lock()
         self._latch.acquire()  # released once, when the hold ends
@@ -95,31 +101,35 @@ class Grants:
         """The initiator's process is known to be gone (a one-sided copier on this host)."""
         return hold.pid is not None and hold.host == self._host and hold.pid != self._pid and not pid_alive(hold.pid)
 
-    def hold(self, region: LocalRegion, ids: np.ndarray, *, writes: bool, peer: str, tid: str, pid: int | None = None,
-             host: str | None = None, on_revoke: Callable | None = None) -> Hold:
-        """Claim blocks ``ids`` (checked) of ``region`` for an incoming transfer, or raise
-        BlocksBusyError naming the unfenced transfer that holds some of them."""
+    def hold(self, region: LocalRegion, ids: np.ndarray, *, writes: bool, peer: str, tid: str, owner=None,
+             pid: int | None = None, host: str | None = None, on_revoke: Callable | None = None) -> Hold:
+        """Claim blocks ``ids`` (checked) of ``region`` for an incoming transfer of ``owner`` (its
+        initiator's ordered channel), or raise BlocksBusyError naming the unfenced transfer of
+        another owner that holds some of them."""
         busy = self._busy(region)
         with self._lock:
             if busy.writes[ids].any() or (writes and busy.reads[ids].any()):
-                self._reap(region)  # holds of initiators that died meanwhile
-                clash = busy.writes[ids].any() or (writes and busy.reads[ids].any())
-                if clash:
-                    other = self._clashing(region, ids, writes)
+                other = self._clashing(region, ids, writes, owner)
+                if other is not None:
+                    self._reap(region)  # holds of initiators that died meanwhile
+                    other = self._clashing(region, ids, writes, owner)
+                if other is not None:
                     raise BlocksBusyError(
                         f"{'writing' if writes else 'reading'} blocks of region {region.name!r} that "
-                        f"{other!r} may still {'write' if other is not None and other.writes else 'read'} (not fenced "
-                        f"yet): refused before any byte moved")
-            h = Hold(next(self._ids), region, ids, writes, peer, tid, pid, host, on_revoke)
+                        f"{other!r} may still {'write' if other.writes else 'read'} (not fenced yet): refused "
+                        f"before any byte moved")
+            h = Hold(next(self._ids), region, ids, writes, peer, tid, pid, host, owner, on_revoke)
             np.add.at(busy.writes if writes else busy.reads, ids, 1)
             self._live[h.id] = h
         return h
 
-    def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool) -> Hold | None:
+    def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool, owner) -> Hold | None:
+        """A live hold of another owner on some of ``ids`` that conflicts (either side writes)."""
         mask = np.zeros(region.layout.num_blocks, dtype=bool)
         mask[ids] = True
         for h in self._live.values():
-            if h.region is region and (h.writes or writes) and mask[h.ids].any():
+            if h.region is region and (h.writes or writes) and (owner is None or h.owner != owner) and \
+                    mask[h.ids].any():
                 return h
         return None
 
@@ -154,6 +164,10 @@ class Grants:
             return None
         self._end(h)
         return h
+
+    def end_locked(self, hold: Hold) -> None:
+        """:meth:`end` for a caller holding :meth:`closing`."""
+        self._end(hold)
 
     def end_transfers(self, peer: str, tids: set) -> None:
         """End ``peer``'s holds of transfers ``tids`` (caller holds :meth:`closing`)."""

@@ -99,6 +99,7 @@ class DataPath:
     # ---- chunks ------------------------------------------------------------------------------
     def send_chunk(self, flow, chunk, slot) -> None:
         """A gathered chunk from its slot."""
+        flow.sends += 1
         _, wire_view = slot.view(chunk.nbytes)
         if flow.conn.dead:
             flow.sent(slot, flow.conn.error)
@@ -109,6 +110,7 @@ class DataPath:
 
     def send_iov(self, flow, chunk, slot, iov: np.ndarray) -> None:
         """A chunk straight from the blocks (``iov``: their addresses in staging order)."""
+        flow.sends += 1
         if flow.conn.dead or flow.conn.closed:  # a closed endpoint's handle may already be freed
             flow.sent(slot, flow.conn.error or PeerDisconnectedError(
                 f"UCX endpoint to peer {flow.conn.name!r} closed; transfer {flow.tid or flow.key} reports no "

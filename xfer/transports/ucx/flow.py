@@ -11,6 +11,10 @@ slots.py for why this cannot deadlock). Roles:
     initiator, READ    receives; after the last scatter sends FIN, done on the target's ACK
     target,    READ    sends once the REQ is valid; on FIN delivers the notification, sends ACK
 
+Ending one (tables.Flows): a flow counts its chunks in flight (``inflight``: from taking a slot to
+giving it back, gather, UCX request and scatter included); a dropped or stopping flow starts
+nothing more and tells the table once the last one ended (``settled``), its fence.
+
 Every method here runs on the engine thread; the copy thread only runs ``gather``/``scatter``.
 """
 
@@ -77,7 +81,8 @@ class Flow:
     __slots__ = ("engine", "key", "initiator", "op", "conn", "transfer", "deadline", "copier", "ids",
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
-                 "depth", "queued", "receiving", "ready", "iov", "iov_rx", "held", "dev_reqs")
+                 "depth", "queued", "receiving", "ready", "iov", "iov_rx", "held", "dev_reqs", "stopping",
+                 "stop_until", "peer_fenced", "confirm", "hold", "requested", "fin_sent", "peer_pid", "sends")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: tuple[Chunk, ...],
@@ -107,8 +112,17 @@ class Flow:
         # blocks (UCX scatter-gather receive), no slot and no scatter; a failure is then held until
         # UCX ended the chunk's receive (Flows.fail)
         self.iov_rx = not self.sending and in_place(engine, False, copier, pool, sender_layout)
-        self.held = None  # (error, notify_peer) of a failure waiting for in-place receives to end
+        self.held = None  # (error, notify_peer) of a failure waiting for its chunks in flight to end
         self.dev_reqs = 0  # UCX requests on device slots in flight (the engine polls meanwhile)
+        # initiator: the error of a stop under way (tables.Flows.stop), when to close the connection
+        # if the target has not confirmed it by then, and whether it did (STOPPED, REFUSE, CANCEL)
+        self.stopping, self.stop_until, self.peer_fenced = None, 0.0, False
+        self.confirm = False  # target: the initiator stopped it; send STOPPED once settled
+        self.hold = None  # target: its hold on the blocks (xfer.transports.grants)
+        self.requested = False  # initiator: its REQ left (else it waits for the hello round)
+        self.fin_sent = False  # initiator of a READ: every chunk landed, FIN sent (the target may deliver)
+        self.peer_pid = None  # initiator: the peer's process where it runs on this host (its death is seen)
+        self.sends = 0  # UCX sends in flight (on a closed connection they may never end, nor touch anything)
 
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "target"
@@ -122,8 +136,19 @@ class Flow:
                 f"{self.arrived}/{n} chunks arrived, {self.finished_chunks} landed, {self.inflight} in flight")
         return f"{what}; staging slots free {len(pool)}/{pool.count}, held by sends {pool.sends}"
 
+    def settled(self) -> bool:
+        """No chunk of it can touch its blocks or slots any more: none in flight, or, once its
+        connection is closed, none but UCX sends (a force-closed endpoint moves nothing more; UCX
+        may never end a rendezvous send to a frozen peer, but nothing of it leaves or lands)."""
+        return self.inflight - (self.sends if self.conn.dead else 0) <= 0
+
+    def could_deliver(self) -> bool:
+        """Initiator: whether the target may deliver this transfer (it had, or may still get,
+        every chunk of a WRITE; the FIN of a READ)."""
+        return self.fin_sent if self.op is Op.READ else self.next >= len(self.chunks)
+
     def wants_slot(self) -> bool:
-        if self.dead or self.inflight >= self.depth:
+        if self.dead or self.stopping is not None or self.inflight >= self.depth:
             return False
         if self.sending:  # chunks go out once the hello named the peer's connection id (after the REQ)
             return self.next < len(self.chunks) and self.conn.ready
@@ -168,13 +193,23 @@ class Flow:
         else:
             self.engine.data.recv_chunk(self, chunk, slot, self.pending.popleft())
 
+    def _free(self, slot: Slot) -> None:
+        """A chunk of this flow ended: its slot back; a dropped or stopping flow settled with its last."""
+        self.engine.slots.release(self, slot)
+        if (self.dead or self.stopping is not None) and self.settled():
+            self.engine.flows.on_settled(self)
+
+    def _ended_early(self, slot: Slot, err) -> bool:
+        """End a chunk that must not go on (the flow ended or stops, or it failed); True if so."""
+        if not (self.dead or self.stopping is not None or err is not None):
+            return False
+        if err is not None and not self.dead and self.stopping is None:
+            self.engine.flows.fail(self, err)  # this chunk counts in flight until freed just below
+        self._free(slot)
+        return True
+
     def _gathered(self, chunk: Chunk, slot: Slot, err) -> None:
-        if self.dead:
-            self.engine.slots.release(self, slot)
-            return
-        if err is not None:
-            self.engine.slots.release(self, slot)
-            self.engine.flows.fail(self, err)
+        if self._ended_early(slot, err):
             return
         if self.transfer is not None and chunk.seq == 0:
             self.transfer.mark("gathered")  # the first chunk (the pipeline's exposed head)
@@ -183,26 +218,21 @@ class Flow:
     # ---- chunk completions -------------------------------------------------------------------
     def _chunk_ended(self, slot: Slot, err) -> bool:
         """Free the chunk's slot; True when it counts (the flow lives and the chunk succeeded)."""
+        if self._ended_early(slot, err):
+            return False
         self.engine.slots.release(self, slot)
-        if self.dead:
-            return False
-        if err is not None:
-            self.engine.flows.fail(self, err)
-            return False
         self.finished_chunks += 1
         return True
 
     def sent(self, slot: Slot, err) -> None:
+        self.sends -= 1
         if self._chunk_ended(slot, err) and self.transfer is not None and self.all_landed():
             self.transfer.mark("sent")  # UCX completed the last chunk's send; the peer's ACK follows
         # a READ target then waits for the initiator's FIN
 
     def received(self, chunk: Chunk, slot: Slot, err) -> None:
         self.receiving -= 1
-        if self.dead or err is not None:
-            self.engine.slots.release(self, slot)
-            if err is not None and not self.dead:
-                self.engine.flows.fail(self, err)
+        if self._ended_early(slot, err):  # a stopped flow scatters nothing more into its blocks
             return
         ids = self.ids[chunk.b0:chunk.b1]
         view, _ = slot.view(chunk.nbytes)
@@ -220,11 +250,6 @@ class Flow:
     def landed_in_place(self, slot: Slot, err) -> None:
         """A chunk received straight into the blocks ended (``err``: UCX's failure)."""
         self.receiving -= 1
-        if self.held is not None:  # failed meanwhile: report it once no receive may still write
-            self.engine.slots.release(self, slot)
-            if self.receiving == 0:
-                self.engine.flows.release_held(self)
-            return
         if self._chunk_ended(slot, err) and self.all_landed():
             if self.transfer is not None:
                 self.transfer.mark("landed")

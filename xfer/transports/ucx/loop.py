@@ -142,7 +142,8 @@ class Engine:
         self._sleeping = False
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
         self.io, self.io_why = choose_io(ucx, self.worker, settings)
-        self.conns, self.flows, self.slots = Connections(self), Flows(self), Slots(settings)
+        self.conns, self.slots = Connections(self), Slots(settings)
+        self.flows = Flows(self, ctx.config.settings.fence.grace_s)
         self.data = DataPath(self, self.io)
         self.proto = Protocol(self)
         self._thread = threading.Thread(target=self._run, name=f"xfer-ucx-{ctx.agent_name}", daemon=True)
@@ -281,7 +282,8 @@ class Engine:
                 if hasattr(req, "abandon"):  # an IOV send UCX may still read from: keep what it reads
                     req.abandon(cb)
             self._reqs = []
-        self.flows.release_all_held()  # the engine stops here: every transfer still ends
+        # the engine stops here (no progress from now on, so nothing lands later): every transfer ends
+        self.flows.release_all(TransportError(f"ucx transport of agent {self.ctx.agent_name!r} closed"))
 
     def _teardown(self) -> None:
         fd, self._wake_w = self._wake_r, -1  # a late call_soon writes to no fd (not a reused one)

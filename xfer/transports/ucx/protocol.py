@@ -1,5 +1,11 @@
 """The UCX transport's control protocol, run on the engine thread: connecting and accepting,
-the hello, and the REQ / REFUSE / ACK / FIN / CANCEL messages (see wire)."""
+the hello, and the REQ / REFUSE / ACK / FIN / CANCEL / STOPPED messages (see wire).
+
+A stop (tables.Flows): the initiator sends CANCEL(init) and the target answers STOPPED once its
+side settled (or its own CANCEL, REFUSE or ACK crossed it). The target checks a REQ before any
+byte lands (incoming.check_request, its ttl and send time: incoming.check_ttl / local_deadline)
+and holds its blocks (grants: a transfer into blocks an unfenced one holds is refused); it
+delivers nothing past its deadline (earlier than the initiator's) or of a revoked hold."""
 
 from __future__ import annotations
 
@@ -9,14 +15,14 @@ import numpy as np
 
 from ... import error_codec
 from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, PeerDisconnectedError,
-                       TransferCancelledError, TransferTimeoutError, XferError)
+                       RevokedError, TransferCancelledError, TransferTimeoutError, XferError)
 from ...layout import KVLayout
 from ...transfer import Notification, Op
 from . import wire
 from .conn import Conn
 from .flow import Flow, in_place, peer_in_place
 from ..chunking import chunk_list, plan_chunks
-from ..incoming import check_request
+from ..incoming import check_request, check_ttl, local_deadline
 from .staging import BlockCopier
 
 __all__ = ["Protocol"]
@@ -88,6 +94,10 @@ class Protocol:
             return
         waiting, conn.waiting = conn.waiting, []
         for msg in waiting:
+            if msg[0] is wire.Kind.REQ:
+                flow = self.e.flows.initiator(msg[1].get("k"))
+                if flow is not None:
+                    flow.requested = True
             self._send(conn, self._encode(*msg))
         for flow in list(conn.flows):  # their chunks can be tagged now
             self.e.slots.want(flow)
@@ -156,34 +166,41 @@ class Protocol:
             return self._on_req(conn, header, binary)
         if kind is wire.Kind.FIN:
             return self._on_fin(conn, header)
-        init_side = kind in (wire.Kind.REFUSE, wire.Kind.ACK) or \
+        init_side = kind in (wire.Kind.REFUSE, wire.Kind.ACK, wire.Kind.STOPPED) or \
             (kind is wire.Kind.CANCEL and not header.get("init"))
         flow = self.e.flows.initiator(header.get("k")) if init_side else self.e.flows.target(conn.local_id, header.get("k"))
         if flow is None or flow.dead or flow.conn is not conn:
-            if kind is wire.Kind.ACK:  # the peer delivered a transfer we already ended (deadline): say so
+            if kind is wire.Kind.ACK:  # the peer delivered a transfer we already ended: say so
                 self.ctx.log.warning("ucx: peer %r acknowledged transfer k=%s after it had ended here; the peer "
                                      "may hold and have been notified of blocks reported failed", conn.name,
                                      header.get("k"))
+            elif kind is wire.Kind.CANCEL:  # the initiator stops a transfer this side no longer runs
+                self.e.flows.confirm_stopped(conn, header.get("k"))
             return  # late message of a dropped transfer
         if kind is wire.Kind.REFUSE:
             self.e.flows.fail(flow, error_codec.decode(header.get("error"), header.get("message"),
                                                  f"peer {conn.name!r} refused transfer {flow.tid}"), notify_peer=False)
-        elif kind is wire.Kind.ACK:
+        elif kind is wire.Kind.ACK:  # every byte landed and the peer delivered: DONE, a stop under way or not
             self.e.flows.drop(flow)
             flow.transfer.complete()
+        elif kind is wire.Kind.STOPPED:
+            if flow.stopping is not None:
+                flow.peer_fenced = True
+                self.e.flows.check_stopped(flow)
         elif kind is wire.Kind.CANCEL:
-            why = header.get("why")  # the peer's reason, by name: its deadline or its caller's cancel stand,
-            cls = error_codec.error_class(why)  # anything else is the peer dropping it
-            if not issubclass(cls, (TransferTimeoutError, TransferCancelledError)):
+            why = header.get("why")  # the peer's reason, by name: its deadline, its caller's cancel or its
+            cls = error_codec.error_class(why)  # revocation stand, anything else is the peer dropping it
+            if not issubclass(cls, (TransferTimeoutError, TransferCancelledError, RevokedError)):
                 cls = PeerDisconnectedError
             who = "initiator" if header.get("init") else "target"
+            flow.confirm = bool(header.get("init"))  # the initiator waits for this side's STOPPED
             self.e.flows.fail(flow, cls(f"the {who} {conn.name!r} dropped transfer {flow.tid or flow.key} ({why}); no "
                                   f"block is reported complete"), notify_peer=False)
 
     # ---- initiator ---------------------------------------------------------------------------
     def start(self, job) -> None:
         t = job.transfer
-        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+        if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
             t.fail(t.error)
             return
         t.mark("started")  # the engine thread took the posted job
@@ -209,6 +226,8 @@ class Protocol:
                     copier=copier, ids=job.local_ids, sender_layout=sender, chunks=chunks, pool=pool, transfer=t,
                     tid=t.id, region=job.peer_region.name, notify=job.notify, peer_name=job.peer.name)
         flow.ready = job.ready
+        md = job.peer.metadata
+        flow.peer_pid = md.pid if md.host_id == self.ctx.host_id else None
         flow.xid = conn.xid = wire.next_xid(conn.xid)  # names the transfer's chunks, either way
         t.path = self.describe(job.local, copier, pool, flow.iov, flow.iov_rx)
         t.begin(on_cancel=lambda _t: self.e.call_soon(self._cancelled, flow))
@@ -222,12 +241,21 @@ class Protocol:
             header["layout"] = job.local.layout.to_dict()
         header["lid"] = lid
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
+        flow.requested = conn.ready
         t.mark("requested")
         self.e.slots.want(flow)  # a WRITE sends right behind its REQ (the target holds early chunks)
 
     def _cancelled(self, flow: Flow) -> None:
+        """The transfer's stop began (cancel, deadline, agent closing): stop its flow."""
         if not flow.dead:
-            self.e.flows.fail(flow, flow.transfer.error)
+            self.e.flows.stop(flow, flow.transfer.error)
+
+    def _revoked(self, flow: Flow) -> None:
+        """This side revoked the blocks of an incoming transfer (Agent.revoke): drop it, tell the
+        initiator once it settled (the revocation returns when its hold ends)."""
+        if not flow.dead:
+            self.e.flows.fail(flow, RevokedError(f"agent {self.ctx.agent_name!r} revoked the blocks of transfer "
+                                                 f"{flow.tid}"))
 
     # ---- target ------------------------------------------------------------------------------
     def _on_req(self, conn: Conn, h: dict, binary: bytes) -> None:
@@ -243,11 +271,9 @@ class Protocol:
             # what is left of the initiator's deadline: its ttl, less how long this REQ waited beyond
             # the connection's usual delay (this process stopped, a congested link): a REQ that
             # waited past its deadline is refused before any byte lands, whatever its CANCEL's fate
-            late = conn.req_delay(float(h["sent"]), now)
-            ttl = float(h["ttl"]) - late
-            if ttl <= 0:
-                raise TransferTimeoutError(f"transfer {h.get('tid')} reached this side {late:.3f} s after it was "
-                                           f"sent, past its deadline; dropped, no block written")
+            what = f"transfer {h.get('tid')} from {h.get('from')!r}"
+            check_ttl(h.get("ttl"), h.get("sent"), what=what)  # NaN, inf: refused (a NaN never expires)
+            deadline = local_deadline(h["ttl"], conn.req_delay(float(h["sent"]), now), now, what=what)
             op = Op(h.get("op"))
             ids, notify = wire.split_ids(binary, int(h.get("n", -1)))
             region, ids = check_request(self.ctx.region, region=h.get("region"), op=op, ids=ids,
@@ -263,17 +289,19 @@ class Protocol:
                     f"{self.e.settings.slot_bytes(kind)} bytes for {kind} memory (XFER_UCX_CHUNK_BYTES or "
                     f"XFER_UCX_DEVICE_CHUNK_BYTES differs)")
             copier, pool = self._copier(region), self.e.slots.pool(kind)
+            hold = self.ctx.grants.hold(region, ids, writes=op is Op.WRITE, peer=str(h.get("from")), tid=str(h.get("tid")),
+                                        owner=("ucx", conn.local_id))  # another's unfenced blocks: refused
         except (XferError, ValueError, KeyError, TypeError) as exc:
             name, message = error_codec.encode(exc if isinstance(exc, XferError) else InvalidArgumentError(str(exc)))
             self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": message})
             if fresh:
                 self.e.data.adopt_early(conn, xid, None)  # a refused WRITE's chunks: discarded
             return
-        flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn,
-                    deadline=now + ttl - min(0.05, 0.1 * ttl), copier=copier, ids=ids,
+        flow = Flow(self.e, key=key, initiator=False, op=op, conn=conn, deadline=deadline, copier=copier, ids=ids,
                     sender_layout=theirs if op is Op.WRITE else region.layout, chunks=chunks, pool=pool,
                     tid=str(h.get("tid")), region=region.name, notify=notify, peer_name=str(h.get("from")))
-        flow.xid = xid
+        flow.xid, flow.hold = xid, hold
+        hold.on_revoke = lambda _h, f=flow: self.e.call_soon(self._revoked, f)
         self.e.flows.add(flow)
         if op is Op.WRITE:
             self.e.data.adopt_early(conn, xid, flow)
@@ -302,26 +330,37 @@ class Protocol:
     def landed(self, flow: Flow) -> None:
         """Every chunk of a receiving flow is scattered."""
         if flow.initiator:  # READ: tell the data owner, finish on its ACK
+            flow.fin_sent = True  # from now on the target may deliver it
             self.send_ctrl(flow.conn, wire.Kind.FIN, {"k": flow.key})
             return
-        if time.monotonic() >= flow.deadline:
-            self.e.flows.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} landed after its deadline"))
-            return
-        self.e.flows.drop(flow)
         self._deliver(flow, Op.WRITE)
-        self.send_ctrl(flow.conn, wire.Kind.ACK, {"k": flow.key})
 
     def _on_fin(self, conn: Conn, h: dict) -> None:
         flow = self.e.flows.target(conn.local_id, h.get("k"))
         if flow is None or flow.dead:
             return
-        self.e.flows.drop(flow)
         self._deliver(flow, Op.READ)
-        self.send_ctrl(conn, wire.Kind.ACK, {"k": flow.key})
 
     def _deliver(self, flow: Flow, op: Op) -> None:
-        self.ctx.deliver(Notification(peer=flow.peer_name, transfer_id=flow.tid, op=op, region=flow.region,
-                                      blocks=flow.ids, payload=flow.notify))
+        """A target flow ended: every byte landed (WRITE) or was read (READ, the initiator's FIN).
+        Delivered and acknowledged unless it is past its deadline (earlier than the initiator's:
+        the ACK has time to get there) or its blocks were revoked: one step with the revocation."""
+        grants = self.ctx.grants
+        with grants.closing():
+            if flow.hold.revoked:
+                error = RevokedError(f"agent {self.ctx.agent_name!r} revoked the blocks of transfer {flow.tid}")
+            elif time.monotonic() >= flow.deadline:
+                error = TransferTimeoutError(f"incoming transfer {flow.tid} ended after its deadline; not delivered")
+            else:
+                error = None
+                self.e.flows.drop(flow)
+                self.ctx.deliver(Notification(peer=flow.peer_name, transfer_id=flow.tid, op=op, region=flow.region,
+                                              blocks=flow.ids, payload=flow.notify))
+                grants.end_locked(flow.hold)
+        if error is not None:
+            self.e.flows.fail(flow, error)
+            return
+        self.send_ctrl(flow.conn, wire.Kind.ACK, {"k": flow.key})
 
     # ---- memory ------------------------------------------------------------------------------
     @staticmethod

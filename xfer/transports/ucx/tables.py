@@ -1,10 +1,21 @@
 """The UCX engine's tables: its connections (:class:`Connections`) and its flows (:class:`Flows`).
 
 Each table is owned by one class; the engine, the protocol and the flows call its methods, never
-its dicts. Both run on the engine thread only. Ending a flow or a connection is theirs too: a
-failed flow is dropped from every index at once, its peer told (CANCEL) and its transfer failed,
-except while UCX may still write its blocks (an in-place receive in flight), when it is *held*
-until that receive ended (``HOLD_S`` at most, then its connection is closed to end it).
+its dicts. Both run on the engine thread only. Ending a flow or a connection is theirs too, and
+every ending is a fence (see ``xfer.transfer.Transfer``):
+
+- a flow is *settled* once none of its chunks is in flight (``inflight == 0``: no gather, UCX send
+  or receive, or scatter that reads or writes its blocks or slots); a failed flow is dropped from
+  every index at once (late chunks are discarded) but *held* until it settled, and only then is
+  its failure reported (its transfer failed, its hold on the blocks ended, its peer told);
+- an initiator's flow that must end while its connection lives *stops*: it starts nothing more,
+  tells the target (CANCEL) and ends once the target confirmed that it dropped and settled its
+  side (STOPPED; or its own CANCEL, a REFUSE, or an ACK: then DONE) and its own chunks settled;
+- past ``settings.fence.grace_s`` without that (a frozen peer), or past it for a held flow whose
+  receives do not end, the connection is closed: UCX then ends its requests. A stopping flow whose
+  connection died is reported once it settled and the peer cannot deliver it any more: it never
+  had every chunk (WRITE) or its FIN (READ), its process is gone (same host), or the transfer's
+  deadline passed (the peer refuses what reaches it later: its deadline is earlier).
 """
 
 from __future__ import annotations
@@ -14,12 +25,11 @@ import time
 
 from ... import error_codec
 from ...errors import PeerDisconnectedError, TransferTimeoutError, TransportError, XferError
+from ...shm import pid_alive
 from . import wire
 from .conn import Conn
 
-__all__ = ["Connections", "Flows", "HOLD_S"]
-
-HOLD_S = 0.2  # a failed flow's in-place receives may run this long before its connection is closed
+__all__ = ["Connections", "Flows"]
 
 
 class Connections:
@@ -83,16 +93,19 @@ class Connections:
 
 
 class Flows:
-    """Every live flow: initiators by key, targets by (connection, key), receiving flows by
-    (connection, xid) for their arriving chunks; failed flows held for their in-place receives."""
+    """Every live flow: initiators by key (stopping ones too), targets by (connection, key),
+    receiving flows by (connection, xid) for their arriving chunks; failed flows held until they
+    settled, and stopping ones until they are fenced."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, grace: float = 1.0):
         self._e = engine
         self._initiators: dict[int, object] = {}  # key -> flow
         self._targets: dict[tuple[int, int], object] = {}  # (conn local id, key) -> flow
         self._rx: dict[tuple[int, int], object] = {}  # (conn local id, xid) -> receiving flow
-        self._held: dict = {}  # failed flow -> when to force its connection closed
+        self._held: dict = {}  # failed flow -> when to close its connection if it has not settled
+        self._stopping: dict = {}  # stopping initiator flow -> None (an ordered set)
         self._keys = itertools.count(1)
+        self.grace = grace  # settings.fence.grace_s: how long a stop waits for the peer, a hold for UCX
 
     def new_key(self) -> int:
         return next(self._keys)
@@ -128,22 +141,29 @@ class Flows:
         return bool(self._held)
 
     def nearest(self, now: float, t: float) -> float:
-        """The least of ``t`` and the seconds to the nearest deadline (of a flow or a hold)."""
+        """The least of ``t`` and the seconds to the nearest deadline (of a flow, a hold or a stop)."""
         for flow in self.live():
             t = min(t, flow.deadline - now)
         for until in self._held.values():
             t = min(t, until - now)
+        for flow in self._stopping:
+            t = min(t, flow.stop_until - now if not flow.conn.dead else flow.deadline - now)
         return t
 
     # ---- ending flows ------------------------------------------------------------------------
     def drop(self, flow) -> None:
         """Out of every index; its arrived, never received chunks are consumed."""
         flow.dead = True
+        self._stopping.pop(flow, None)
         if flow.initiator:
             self._initiators.pop(flow.key, None)
         else:
             self._targets.pop((flow.conn.local_id, flow.key), None)
         flow.conn.flows.pop(flow, None)
+        self._unreceive(flow)
+
+    def _unreceive(self, flow) -> None:
+        """No more chunks are received for ``flow``: later ones are discarded on arrival."""
         if not flow.sending:
             if self._rx.get((flow.conn.local_id, flow.xid)) is flow:
                 del self._rx[(flow.conn.local_id, flow.xid)]
@@ -151,68 +171,143 @@ class Flows:
                 self._e.data.sink(flow.pending.popleft())
 
     def fail(self, flow, err: Exception, *, notify_peer: bool = True) -> None:
-        """Drop ``flow``: its transfer ends with ``err``; the peer is told; late chunks are discarded.
-
-        A flow with receives landing in place still in flight is dropped at once, but its failure
-        is reported (to the peer by CANCEL, and to its caller unless the caller's own cancel or
-        deadline already ended the transfer) only once UCX ended them: until then UCX may write
-        its blocks. Past HOLD_S (or its deadline) the connection is closed, which makes UCX end
-        them (on a later progress: see io_raw)."""
+        """End ``flow`` with ``err`` (a fence, see the module doc). ``notify_peer`` False: the peer
+        already dropped it (its REFUSE or CANCEL) or cannot hear (connection dead). An initiator's
+        flow on a live connection that the peer has not dropped stops instead (CANCEL, then the
+        peer's STOPPED); any other is dropped, held until it settled, then reported."""
         if flow.dead:
             return
         if not isinstance(err, XferError):
             err = TransportError(f"ucx transfer failed: {err!r}")
+        if flow.stopping is not None:  # the peer dropped it, or the connection died: look again
+            flow.peer_fenced |= notify_peer is False and not flow.conn.dead
+            self.check_stopped(flow)
+            return
+        if flow.initiator and (notify_peer or flow.conn.dead):
+            self.stop(flow, err)
+            return
+        self._end(flow, err, notify_peer)
+
+    def stop(self, flow, err: XferError) -> None:
+        """An initiator's flow must end without completing (its caller's cancel or deadline, a local
+        failure, its connection died): start nothing more, tell the target, end once fenced."""
+        if flow.dead or flow.stopping is not None:
+            return
+        flow.stopping, flow.stop_until = err, time.monotonic() + self.grace
+        self._stopping[flow] = None
+        self._unreceive(flow)
+        conn = flow.conn
+        if not flow.requested:  # its REQ never left (the hello round is not over): nothing of it moved
+            conn.waiting = [m for m in conn.waiting if m[1].get("k") != flow.key or m[0] is not wire.Kind.REQ]
+            flow.peer_fenced = True
+        elif not conn.dead:
+            self._e.proto.send_ctrl(conn, wire.Kind.CANCEL, {"k": flow.key, "init": True,
+                                                             "why": error_codec.encode(err)[0]})
+        self.check_stopped(flow)
+
+    def check_stopped(self, flow) -> None:
+        """Report a stopping flow once fenced: its chunks settled, and the peer confirmed (or cannot
+        deliver it any more: see the module doc)."""
+        if flow.dead or flow.stopping is None or not flow.settled():
+            return
+        if not flow.peer_fenced:
+            if not flow.conn.dead:
+                return
+            if flow.could_deliver() and time.monotonic() < flow.deadline and not self._peer_gone(flow):
+                return
         self.drop(flow)
-        if flow.iov_rx and flow.receiving > 0:
+        if flow.transfer is not None:
+            flow.transfer.fail(flow.stopping)
+
+    @staticmethod
+    def _peer_gone(flow) -> bool:
+        """The peer's process is known to be gone (it runs on this host)."""
+        pid = flow.peer_pid
+        return pid is not None and not pid_alive(pid)
+
+    def _end(self, flow, err: XferError, notify_peer: bool) -> None:
+        self.drop(flow)
+        if not flow.settled():  # UCX or a copy may still touch its blocks: report once it settled
             flow.held = (err, notify_peer)
-            self._held[flow] = min(time.monotonic() + HOLD_S, flow.deadline)  # past its deadline: close now
+            self._held[flow] = min(time.monotonic() + self.grace, flow.deadline)  # past its deadline: close now
             return
         self._report_failed(flow, err, notify_peer)
 
-    def release_held(self, flow) -> None:
-        """The last in-place receive of a held flow ended: report its failure now."""
-        self._held.pop(flow, None)
-        err, notify_peer = flow.held
-        flow.held = None
-        self._report_failed(flow, err, notify_peer)
+    def on_settled(self, flow) -> None:
+        """The last chunk in flight of a dropped or stopping flow ended."""
+        if flow.held is not None:
+            self._held.pop(flow, None)
+            (err, notify_peer), flow.held = flow.held, None
+            self._report_failed(flow, err, notify_peer)
+        elif flow.stopping is not None:
+            self.check_stopped(flow)
 
     def _report_failed(self, flow, err: XferError, notify_peer: bool) -> None:
-        if notify_peer and not flow.conn.dead and flow.conn.ready:
-            self._e.proto.send_ctrl(flow.conn, wire.Kind.CANCEL, {"k": flow.key, "init": flow.initiator,
+        if flow.hold is not None:
+            self._e.ctx.grants.end(flow.hold)
+        conn = flow.conn
+        if not conn.dead and conn.ready:
+            if notify_peer:
+                self._e.proto.send_ctrl(conn, wire.Kind.CANCEL, {"k": flow.key, "init": flow.initiator,
                                                                  "why": error_codec.encode(err)[0]})
+            elif flow.confirm:  # the initiator stopped it and waits for this side's fence
+                self._e.proto.send_ctrl(conn, wire.Kind.STOPPED, {"k": flow.key})
         if flow.transfer is not None:
             flow.transfer.fail(err)
 
+    def confirm_stopped(self, conn, key) -> None:
+        """The initiator stopped transfer ``key`` and this side holds no live flow of it: confirm
+        once a held one settled, at once otherwise."""
+        for flow in self._held:
+            if flow.conn is conn and flow.key == key and not flow.initiator:
+                flow.confirm = True
+                return
+        self._e.proto.send_ctrl(conn, wire.Kind.STOPPED, {"k": key})
+
     def expire(self, now: float) -> None:
-        """Holds past their time, and flows past their deadline (or whose caller ended them)."""
+        """Holds and stops past their grace, flows past their deadline (or whose caller ended them)."""
         for flow, until in list(self._held.items()):
-            if now < until:
-                continue
-            if not flow.conn.dead:  # UCX then ends the receives (on a later progress)
-                self._e.log.warning("ucx: in-place receives of failed transfer %s still running after %.1f s; "
-                                    "closing the connection to %r to stop them", flow.tid or flow.key, HOLD_S,
-                                    flow.conn.name)
-                self._held[flow] = now + HOLD_S
-                self._e.conns.fail(flow.conn, PeerDisconnectedError(
-                    f"connection to {flow.conn.name!r} closed to stop the in-place receives of failed transfer "
-                    f"{flow.tid or flow.key}"))
-            else:  # closed and still not ended: report anyway rather than never (logged)
-                self._e.log.error("ucx: UCX did not end the in-place receives of transfer %s after its connection "
-                                  "closed; reporting its failure anyway", flow.tid or flow.key)
-                self.release_held(flow)
-        for flow in [f for f in self._initiators.values() if f.transfer.poll().terminal or now >= f.deadline]:
-            self.fail(flow, flow.transfer.error or TransferTimeoutError(
+            if flow.conn.dead and flow.settled():  # its connection closed meanwhile: only sends were left
+                self.on_settled(flow)
+            elif now >= until and not flow.conn.dead:  # UCX then ends the requests (on a later progress)
+                self._e.log.warning("ucx: chunks of failed transfer %s still in flight after %.1f s; closing the "
+                                    "connection to %r to end them", flow.tid or flow.key, self.grace, flow.conn.name)
+                self._held[flow] = float("inf")
+                self._close(flow)
+        for flow in list(self._stopping):
+            if flow.conn.dead or (flow.peer_fenced and flow.settled()):
+                self.check_stopped(flow)  # the deadline may have come
+            elif now >= flow.stop_until:
+                self._e.log.warning("ucx: the stop of transfer %s was not fenced within %.1f s (peer %r confirmed: "
+                                    "%s; chunks in flight: %d); closing the connection to end it", flow.tid or flow.key,
+                                    self.grace, flow.conn.name, flow.peer_fenced, flow.inflight)
+                self._close(flow)
+        for flow in [f for f in self._initiators.values()
+                     if f.stopping is None and (f.transfer.cancel_requested or now >= f.deadline)]:
+            self.stop(flow, flow.transfer.error or TransferTimeoutError(
                 f"transfer {flow.tid} reached its deadline ({flow.progress()})"))
         for flow in [f for f in self._targets.values() if now >= f.deadline]:
             self.fail(flow, TransferTimeoutError(f"incoming transfer {flow.tid} from {flow.peer_name!r} reached "
                                                  f"its deadline ({flow.progress()}); dropped, no notification "
                                                  f"delivered"))
 
+    def _close(self, flow) -> None:
+        self._e.conns.fail(flow.conn, PeerDisconnectedError(
+            f"connection to {flow.conn.name!r} closed to end transfer {flow.tid or flow.key} (its peer did not "
+            f"confirm its stop, or UCX did not end its chunks, within {self.grace:.1f} s)"))
+
     def fail_initiators(self, err: Exception) -> None:
         for flow in list(self._initiators.values()):
             self.fail(flow, err, notify_peer=False)
 
-    def release_all_held(self) -> None:
-        """The engine stops: every held flow's failure is reported (every transfer still ends)."""
+    def release_all(self, err: Exception) -> None:
+        """The engine stops (its worker and every endpoint go): every flow's failure is reported,
+        fenced or not (no progress happens any more, so nothing lands later)."""
         for flow in list(self._held):
-            self.release_held(flow)
+            self.on_settled(flow)
+        for flow in list(self._stopping):
+            self.drop(flow)
+            flow.transfer.fail(flow.stopping)
+        for flow in list(self.live()):
+            self.drop(flow)
+            self._report_failed(flow, err, False)

@@ -38,7 +38,8 @@ __all__ = ["Kind", "encode", "decode", "hello", "parse_hello", "ctrl_tag", "data
 # 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
 # 3: a REQ names its layout by a per-connection id ("lid"); only the first REQ with it carries it
 # 4: binary control headers (JSON only for the rare fields); a REQ carries its send time ("sent")
-VERSION = 4
+# 5: STOPPED (a stop is fenced on both sides); a REQ with a non-finite ttl or send time is refused
+VERSION = 5
 LAYOUTS_MAX = 1024  # layouts one connection may describe (a peer that sends more is failed)
 MAGIC = b"XFUC"
 HELLO_BYTES = 256
@@ -53,7 +54,8 @@ class Kind(enum.IntEnum):
     REFUSE = 3  # target -> initiator: invalid (typed error name + message)
     ACK = 4  # WRITE: target -> initiator, every byte landed and the notification was delivered
     FIN = 5  # READ: initiator -> target, every byte landed; deliver the notification
-    CANCEL = 6  # either way: drop the transfer (deadline, cancel, local failure)
+    CANCEL = 6  # either way: drop the transfer (deadline, cancel, local failure); the target's once it settled
+    STOPPED = 7  # target -> initiator: the stopped transfer is dropped and settled here (the stop's fence)
 
 
 # How fast two hosts' monotonic clocks may drift apart (a REQ's delay is judged against the least
@@ -91,6 +93,7 @@ _FIELDS = {
     Kind.ACK: (struct.Struct("!Q"), ("k",), ()),
     Kind.FIN: (struct.Struct("!Q"), ("k",), ()),
     Kind.CANCEL: (struct.Struct("!Q?"), ("k", "init"), ("why",)),
+    Kind.STOPPED: (struct.Struct("!Q"), ("k",), ()),
 }
 _LEN = struct.Struct("!H")
 
