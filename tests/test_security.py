@@ -337,3 +337,13 @@ def test_metrics_and_transfer_logs(caplog):
         assert any(f"id={bad.id}" in m and "error=NotRegisteredError" in m for m in lines)
     finally:
         a.close(), b.close()
+
+
+def test_an_agent_listening_beyond_loopback_without_a_secret_says_so_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="xfer.agent"):
+        Agent("quiet", AgentConfig(enable=LOCAL)).close()  # 127.0.0.1: nothing to say
+        Agent("guarded", AgentConfig(enable=LOCAL, listen_host="0.0.0.0", secret=SECRET)).close()
+        assert not [r for r in caplog.records if "beyond loopback" in r.getMessage()]
+        Agent("open", AgentConfig(enable=LOCAL, listen_host="0.0.0.0")).close()
+    lines = [r.getMessage() for r in caplog.records if "beyond loopback" in r.getMessage()]
+    assert len(lines) == 1 and "'open'" in lines[0] and "control port on 0.0.0.0" in lines[0], lines

@@ -18,6 +18,7 @@ from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
 from .error_codec import error_reply
+from .guard import warn_if_exposed
 from .inbox import Inbox
 from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
                      NotRegisteredError, PeerNotConnectedError, XferError, TransportUnavailableError)
@@ -94,6 +95,8 @@ class Agent:
                                      identity=(self.agent_id, name), limits=config.settings.control)
         self._host_id = ctx.host_id
         self.metrics = Metrics(name)
+        warn_if_exposed(log, name, self._auth is not None, {"control port": self.address[0], **{
+            f"{k.value} listener": t.info().get("bind") for k, t in self.transports.items()}})
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -16,13 +16,15 @@ threat model, in docs/security.md.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import json
+import socket
 import threading
 import time
 
 from .errors import InvalidArgumentError
 
-__all__ = ["loads", "depth", "Rejections", "MAX_DEPTH"]
+__all__ = ["loads", "depth", "Rejections", "MAX_DEPTH", "beyond_loopback", "warn_if_exposed"]
 
 MAX_DEPTH = 8  # a control header nests 3 deep (a batch of notices with block lists); a layout 2
 
@@ -90,3 +92,30 @@ class Rejections:
         if held:
             fmt += f" ({held} more rejections not logged since the last line: rate limit)"
         self.log.warning(f"{self.what}: {fmt}", *args)
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether a listener bound to ``host`` can be reached from other hosts (a wildcard, or any
+    address it resolves to that is not loopback; a name that does not resolve counts as reachable)."""
+    if host in ("", "0.0.0.0", "::", "*"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return True
+    return not all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def warn_if_exposed(log, agent: str, has_secret: bool, listeners: dict) -> bool:
+    """Log ONE warning when an agent without a secret listens beyond loopback (``listeners``: what
+    -> the address it is bound to); True if it did."""
+    if has_secret:
+        return False
+    exposed = {what: host for what, host in listeners.items() if host is not None and beyond_loopback(host)}
+    if not exposed:
+        return False
+    log.warning("agent %r listens beyond loopback (%s) without a shared secret: any process that reaches these "
+                "addresses and holds its metadata can write into its registered memory. Set AgentConfig.secret or "
+                "XFER_SECRET, or listen on 127.0.0.1 (docs/security.md)", agent,
+                ", ".join(f"{what} on {host}" for what, host in exposed.items()))
+    return True
