@@ -282,6 +282,27 @@ def changed_any(side: Side, ids, ref: torch.Tensor) -> bool:
     return not torch.equal(side.blocks(ids), ref)
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. A stop signal goes to one
+    thread, which stops the others once it runs: on a busy host the rest ran on for milliseconds
+    after kill() returned (a request sent then was still handled)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # the thread ended meanwhile
+                pass
+        if all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"process {pid} did not stop within {timeout} s (thread states {states})")
+        time.sleep(0.001)
+
+
 def kill(side: Side) -> None:
     os.kill(side.pid, signal.SIGKILL)
     side.proc.join(10)

@@ -25,7 +25,8 @@ import time
 import pytest
 import torch
 
-from fence_helpers import REFILL, Side, busy_cores, changed_any, kill, record, refilled, wait_for, watch  # noqa: F401
+from fence_helpers import (REFILL, Side, busy_cores, changed_any, freeze, kill, record, refilled,  # noqa: F401
+                           wait_for, watch)
 from xfer import AgentConfig, LayoutKind
 
 KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
@@ -247,11 +248,11 @@ def test_a_frozen_target_resumed_after_the_deadline(fresh, when):
     t.reset(60)
     ref = t.B.blocks(HEAD)
     if when == "before its request":
-        t.B.signal(signal.SIGSTOP)
+        freeze(t.B.pid)
     i = t.A.call("post", ("write", "B", SRC, DST, 1.0, b"frozen"))
     if when == "mid-transfer":
         wait_for(lambda: changed_any(t.B, HEAD, ref), 20, "the WRITE's first bytes landing")
-        t.B.signal(signal.SIGSTOP)
+        freeze(t.B.pid)
     try:
         state, err, fence, ended, deadline, _ = _end(t.A, i)
         assert state == "TIMED_OUT", (state, err)

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
 
 from helpers import assert_blocks_equal, assert_untouched, block_bytes, fill_random, poison  # noqa: E402
+from fence_helpers import busy_cores, freeze  # noqa: E402,F401  (busy_cores: a fixture)
 from ucx_helpers import CHUNK_DELAY, UcxPeer, expected_blocks, ucx_env, wait_until  # noqa: E402
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, make_kv_cache  # noqa: E402
 from xfer.settings import UcxSettings  # noqa: E402
@@ -239,12 +240,12 @@ def test_killed_initiator_mid_transfer_delivers_nothing(env, decodes):
             assert np.array_equal(a, b)
 
 
-def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode):
+def test_frozen_peer_times_out_by_the_deadline_and_never_delivers(local, decode, busy_cores):
     agent, _, _ = local
     peer = agent.connect(decode.metadata)
     agent.write(peer, [0], [0]).wait()
     decode.call("notifications")
-    decode.signal(signal.SIGSTOP)  # alive, holds its sockets, answers nothing
+    freeze(decode.proc.pid)  # alive, holds its sockets, answers nothing
     start = time.monotonic()
     t = agent.write(peer, list(range(128)), list(range(128)), timeout=1.0)
     try:
@@ -293,7 +294,8 @@ def test_a_frozen_peer_does_not_hold_up_transfers_to_another(local, decodes):
     assert decodes[0].call("notifications") == []
 
 
-def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(local, decode, monkeypatch):
+def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(local, decode, monkeypatch,
+                                                                                busy_cores):
     """A target stopped while a REQ sat in its socket must not count the ttl from when it woke:
     the REQ says when it was sent, the target measures how much longer than the connection's
     usual delay it took, and refuses it once that exceeds its ttl. The initiator's CANCEL is
@@ -310,7 +312,7 @@ def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(
     real = Protocol.send_ctrl
     monkeypatch.setattr(Protocol, "send_ctrl", lambda self, conn, kind, *a, **k:
                         None if kind is Kind.CANCEL else real(self, conn, kind, *a, **k))
-    decode.signal(signal.SIGSTOP)
+    freeze(decode.proc.pid)  # every thread stopped: a REQ sent from now on waits in its socket
     try:
         t = agent.write(peer, list(range(128)), list(range(128)), timeout=1.0)
         with pytest.raises(TransferTimeoutError):
@@ -323,6 +325,39 @@ def test_request_that_waited_past_its_deadline_is_refused_before_any_byte_lands(
     monkeypatch.setattr(Protocol, "send_ctrl", real)
     agent.write(peer, [3], [3], notify=b"after").wait()
     assert decode.call("notification", 5)[4] == b"after"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e12])
+def test_a_request_with_a_non_finite_or_out_of_range_ttl_is_refused(local, decode, monkeypatch, bad):
+    """A REQ whose ttl (or send time) is NaN or inf never expired at the target (NaN passed
+    ``ttl <= 0``): every later READ from that agent timed out behind it. Now the target refuses
+    it with a typed error before any byte lands, and the next transfer goes through."""
+    from xfer.errors import InvalidArgumentError
+    from xfer.transports.ucx.protocol import Protocol
+    from xfer.transports.ucx.wire import Kind
+
+    agent, _, _ = local
+    peer = agent.connect(decode.metadata)
+    real = Protocol._encode
+
+    def forged(self, kind, header, ids, payload):
+        msg = real(self, kind, header, ids, payload)
+        if kind is Kind.REQ:  # re-encoded with the hostile value, as a peer could send it
+            from xfer.transports.ucx import wire
+            _, h, binary = wire.decode(msg)
+            h["ttl" if bad != -1.0 else "sent"] = bad if bad != -1.0 else float("nan")
+            return wire.encode(Kind.REQ, h, np.frombuffer(binary[:8 * h["n"]], "<i8"), binary[8 * h["n"]:])
+        return msg
+    monkeypatch.setattr(Protocol, "_encode", forged)
+    for op in ("read", "write"):
+        t = getattr(agent, op)(peer, [1, 2], [1, 2], timeout=5)
+        with pytest.raises(InvalidArgumentError, match="ttl|send time"):
+            t.wait()
+    monkeypatch.setattr(Protocol, "_encode", real)
+    assert_untouched(decode.layout, decode.tensors(), [])  # refused before any byte landed
+    agent.write(peer, [3], [3], notify=b"after").wait()  # the agent and the peer go on
+    assert decode.call("notification", 5)[4] == b"after"
+    assert [n[3] for n in decode.call("notifications")] == []
 
 
 def test_request_delay_is_judged_against_the_connections_least_delay():
