@@ -20,8 +20,8 @@ from typing import Mapping
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "ControlSettings", "CopySettings", "OneSidedSettings", "FenceSettings", "SglangSettings",
-           "EngineSettings", "TUNED_UCX", "FOREIGN", "current", "reload", "render_markdown", "parse_bytes"]
+__all__ = ["Knob", "KNOBS", "Settings", "UcxSettings", "ControlSettings", "CopySettings", "OneSidedSettings",
+           "FenceSettings", "SglangSettings", "EngineSettings", "TUNED_UCX", "FOREIGN", "current", "reload", "render_markdown", "parse_bytes"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("XFER_UCX_MIN_CHUNKS_DEVICE", "ucx", "min_chunks_device", "int", 1, "chunks",
          "between two device regions a chunk's stages are HBM copies of tens of us against ~0.1-0.2 ms of host "
          "work a chunk: no cutting below the slot size"),
+    Knob("XFER_UCX_MAX_CTRL_BYTES", "ucx", "max_ctrl_bytes", "bytes", 4 << 20, "bytes",
+         "largest UCX control message taken (a REQ's block ids and notification: ~500,000 ids); a bigger one is "
+         "drained unreceived (its size is known from the probe) and logged, and an initiator refuses to send one"),
+    Knob("XFER_UCX_EARLY_CHUNKS", "ucx", "early_chunks", "int", 1024, "chunks",
+         "chunks (their tags verified) a UCX connection may hold ahead of their REQ; past it the peer's "
+         "connection is failed"),
     Knob("XFER_SGLANG_TIMEOUT_S", "sglang", "timeout_s", "float", 30.0, "s",
          "the SGLang connector's one deadline: per transfer, and per look-up, connect and handshake step"),
     Knob("XFER_SGLANG_TRANSPORTS", "sglang", "transports", "list", None, "names",
@@ -220,6 +226,8 @@ class UcxSettings:
     min_chunks_in_place: int = 4
     min_chunk_bytes: int = 1 << 20
     min_chunks_device: int = 1
+    max_ctrl_bytes: int = 4 << 20
+    early_chunks: int = 1024
     ucx_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -238,6 +246,10 @@ class UcxSettings:
         for name in ("min_chunks", "min_chunks_in_place", "min_chunks_device"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _check(isinstance(self.max_ctrl_bytes, int) and self.max_ctrl_bytes >= 65536,
+               f"max_ctrl_bytes must be an int >= 65536, got {self.max_ctrl_bytes!r}")
+        _check(isinstance(self.early_chunks, int) and self.early_chunks >= 16,
+               f"early_chunks must be an int >= 16, got {self.early_chunks!r}")
         _check(isinstance(self.keepalive_s, (int, float)) and self.keepalive_s > 0,
                f"keepalive_s must be > 0, got {self.keepalive_s!r}")
 
@@ -336,8 +348,8 @@ class EngineSettings:
     tp_backend: str = "gloo"
 
 
-_GROUPS = {"ucx": UcxSettings, "control": ControlSettings, "copy": CopySettings, "onesided": OneSidedSettings, "sglang": SglangSettings,
-           "engine": EngineSettings}
+_GROUPS = {"ucx": UcxSettings, "control": ControlSettings, "copy": CopySettings, "onesided": OneSidedSettings,
+           "fence": FenceSettings, "sglang": SglangSettings, "engine": EngineSettings}
 
 
 @dataclass(frozen=True)
