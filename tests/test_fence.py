@@ -208,6 +208,25 @@ def test_the_target_revokes_a_live_write(trio, rnd):
     _check_fence("target revokes a live WRITE", t.transport, state, None, changed, before)
 
 
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+def test_a_read_whose_source_is_revoked_mid_way_never_reads_done(trio, rnd):
+    """The target revokes the blocks a READ is copying from and reuses them: revoke returns at once
+    (local: a one-sided READ holds nothing) or once its sends settled (ucx); the READ, which may
+    have read mixed bytes, ends RevokedError, never DONE, and nothing is delivered."""
+    t = trio
+    t.reset(45 + rnd)
+    t.B.fill_random(46 + rnd)
+    ref = t.A.blocks(HEAD)
+    i = t.A.call("post", ("read", "B", SRC, DST, 30, b"r"))
+    wait_for(lambda: changed_any(t.A, HEAD, ref), 20, "the READ's first bytes landing")
+    res = t.B.call("revoke", (SRC, BOUND))
+    assert res[0] == "ok", res
+    t.B.fill_blocks(SRC, REFILL)  # the blocks reused at once
+    state, err, *_ = _end(t.A, i)
+    assert state == "FAILED" and err == "RevokedError", (state, err)
+    assert t.B.call("notes") == []
+
+
 def test_an_initiator_with_its_checks_patched_out_lands_nothing(trio):
     """Issue 30 case 11: the target no longer trusts the initiator's checks. Block ids out of range
     and repeated ones, posted with the initiator's own checks removed, are refused by the target

@@ -11,8 +11,11 @@ The one-sided transports' target side lives here too, on the control server's th
   unfenced one still holds is refused); the reply names each one's grant or refusal.
 - ``notify`` / ``notify_batch``: once its copy ended, the initiator's notice names its grant; it
   is delivered only when the grant was not revoked and the notice is not late (its ttl and send
-  time), and either way it ends the grant (the initiator copies nothing more). A notice without a
-  grant (NVSHMEM's reads, whose blocks its read request checked) is checked as before.
+  time), and either way it ends the grant (the initiator copies nothing more). A READ takes no
+  grant (it writes only the initiator's memory): its notice names the blocks and when its copy
+  began, and is refused when they were written or revoked since (``Grants.check_read``). Other
+  notices without a grant (NVSHMEM's reads, whose blocks its read request checked) are checked as
+  before.
 - ``grant_end``: the initiator's transfers stopped or failed after their grants; their copies
   ended: the grants end, nothing is delivered.
 
@@ -29,9 +32,10 @@ from typing import Callable
 import numpy as np
 
 from .error_codec import error_reply
-from .errors import InvalidArgumentError, NotRegisteredError, RevokedError, TransferTimeoutError, XferError
+from .errors import (BlocksBusyError, InvalidArgumentError, NotRegisteredError, RevokedError, TransferTimeoutError,
+                     XferError)
 from .transfer import Notification, Op
-from .transports.incoming import ClockFloor, check_request, check_ttl, local_deadline
+from .transports.incoming import ClockFloor, check_request, check_time, check_ttl, local_deadline
 
 __all__ = ["Inbox"]
 
@@ -163,6 +167,12 @@ class Inbox:
         if "grant" not in entry:
             region, ids = check_request(self._regions, region=entry.get("region"), op=op, ids=entry.get("blocks"),
                                         what="notified block ids", agent=f"agent {self.name!r}")
+            if op is Op.READ and "started" in entry:  # a one-sided READ: nothing it read changed since
+                why = self._grants.check_read(region, ids, check_time(entry["started"], what="a READ's start"))
+                if why is not None:
+                    cls = RevokedError if "revoked" in why else BlocksBusyError
+                    raise cls(f"agent {self.name!r} refuses the notice of READ {entry.get('transfer_id')}: {why}; "
+                              f"its bytes may be mixed, none is reported complete")
             return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op,
                                 region=region.name, blocks=ids, payload=payload)
         hold = self._grants.take_locked(entry["grant"], str(sender))

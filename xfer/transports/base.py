@@ -102,7 +102,8 @@ class Job:
     peer_ids: np.ndarray
     notify: bytes = b""
     ready: object = None  # torch.cuda.Event | None
-    grant: int | None = None  # one-sided: the peer's grant of its blocks (xfer.transports.grants)
+    grant: int | None = None  # one-sided WRITE: the peer's grant of its blocks (xfer.transports.grants)
+    started: float | None = None  # one-sided READ: when its copy began (time.monotonic), for its notice
 
 
 @dataclass(frozen=True)

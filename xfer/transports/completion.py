@@ -1,9 +1,11 @@
 """How a transfer starts and ends when the initiator moves the bytes itself (the one-sided
 transports, and NVSHMEM's reads and empty transfers), over the agents' control channel:
 
-- before any byte moves it asks the peer for a grant of its transfers (:func:`request_grants`,
-  one message for several): the peer checks region, layout fingerprint, ids and the request's
-  age, and holds the blocks (a refused one moves nothing);
+- before any byte of a WRITE moves it asks the peer for a grant of its transfers
+  (:func:`request_grants`, one message for several): the peer checks region, layout fingerprint,
+  ids and the request's age, and holds the blocks (a refused one moves nothing). A READ writes
+  only this side's memory: it copies at once, and its notice says when the copy began (the peer
+  refuses it if its blocks were written or revoked since: xfer.transports.grants.check_read);
 - once its copy ended it tells the peer which of its blocks were written or read, naming the grant
   and its time to live, and completes once the peer acknowledged (the peer delivered the
   notification); a refusal or a lost notice fails it. The peer never hears of blocks that did not
@@ -46,8 +48,10 @@ def _notice(job: Job) -> dict:
     now = time.monotonic()
     out = {"transfer_id": job.transfer.id, "op": job.op.value, "region": job.peer_region.name,
            "ttl": max(job.transfer.deadline - now, 0.0), "sent": now}
-    if job.grant is None:  # NVSHMEM's reads, empty transfers: the notice names the blocks
+    if job.grant is None:  # a READ, NVSHMEM's reads, empty transfers: the notice names the blocks
         out["blocks"] = job.peer_ids.tolist()
+        if job.started is not None:  # a one-sided READ: the peer checks nothing changed since
+            out["started"] = job.started
     else:  # the peer holds the blocks it checked under the grant
         out["grant"] = job.grant
     return out

@@ -18,6 +18,10 @@ sends ended. :class:`Grants` owns the table (one per agent, any thread):
   the transport's ``on_revoke`` stops what it can) and returns once each one ended, or raises
   :class:`~xfer.errors.FenceTimeoutError` after its timeout: the caller must then keep the blocks
   quarantined (a transfer may still write them: an initiator process stopped mid-copy).
+- ``check_read``: a one-sided READ takes no hold (its initiator copies from this agent's memory at
+  once, one round trip less); its notice says when its copy began, and it is refused when a hold
+  that writes its blocks was live then or ended since, or the blocks were revoked since: a READ
+  never reports DONE over bytes this agent changed or gave back meanwhile.
 
 Busy counts live on the region (``region.state``) and die with it.
 """
@@ -41,13 +45,16 @@ __all__ = ["Hold", "Grants"]
 
 
 class _Busy:
-    """Per block of one region: how many unfenced holds write it, and how many read it."""
+    """Per block of one region: how many unfenced holds write it, and how many read it; when a
+    write hold on it last ended, and when it was last revoked (``time.monotonic``)."""
 
-    __slots__ = ("writes", "reads")
+    __slots__ = ("writes", "reads", "written", "revoked")
 
     def __init__(self, n: int):
         self.writes = np.zeros(n, dtype=np.int32)
         self.reads = np.zeros(n, dtype=np.int32)
+        self.written = np.full(n, -np.inf)
+        self.revoked = np.full(n, -np.inf)
 
 
 class Hold:
@@ -119,7 +126,10 @@ class Grants:
                         f"{other!r} may still {'write' if other.writes else 'read'} (not fenced yet): refused "
                         f"before any byte moved")
             h = Hold(next(self._ids), region, ids, writes, peer, tid, pid, host, owner, on_revoke)
-            np.add.at(busy.writes if writes else busy.reads, ids, 1)
+            if writes:  # a write's ids are unique
+                busy.writes[ids] += 1
+            else:
+                np.add.at(busy.reads, ids, 1)
             self._live[h.id] = h
         return h
 
@@ -142,7 +152,11 @@ class Grants:
         if self._live.pop(h.id, None) is None:
             return
         busy = self._busy(h.region)
-        np.add.at(busy.writes if h.writes else busy.reads, h.ids, -1)
+        if h.writes:  # a write's ids are unique
+            busy.writes[h.ids] -= 1
+            busy.written[h.ids] = time.monotonic()
+        else:
+            np.add.at(busy.reads, h.ids, -1)
         h._latch.release()
 
     def end(self, hold: Hold) -> None:
@@ -164,6 +178,19 @@ class Grants:
             return None
         self._end(h)
         return h
+
+    def check_read(self, region: LocalRegion, ids: np.ndarray, started: float) -> str | None:
+        """Why a one-sided READ of blocks ``ids`` whose copy began at ``started`` (this host's
+        monotonic clock) may have read bytes changed or given back meanwhile, or None. Call it
+        holding :meth:`closing` (one step with the notice's delivery)."""
+        busy = self._busy(region)
+        if busy.writes[ids].any():
+            return "a transfer writing them is still running"
+        if busy.written[ids].max() >= started:
+            return "a transfer wrote them while it read them"
+        if busy.revoked[ids].max() >= started:
+            return "this agent revoked them while it read them"
+        return None
 
     def end_locked(self, hold: Hold) -> None:
         """:meth:`end` for a caller holding :meth:`closing`."""
@@ -187,6 +214,7 @@ class Grants:
         with self._lock:
             for region in regions:
                 ids = region.layout.check_block_ids(blocks, what="revoked block ids")
+                self._busy(region).revoked[ids] = time.monotonic()  # reads begun before: refused
                 mask = np.zeros(region.layout.num_blocks, dtype=bool)
                 mask[ids] = True
                 for h in self._live.values():

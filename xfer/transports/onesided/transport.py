@@ -1,11 +1,12 @@
 """Shared machinery of the one-sided transports (``local``, ``ipc``, NVSHMEM's direct path): the
-initiator maps the peer's base tensors once, asks the peer for a grant of the transfer's blocks
-(the peer checks region, layout, ids and the request's age, and holds the blocks: see
-:mod:`xfer.transports.completion`), runs ``copy_blocks`` between them, then notifies the peer over
-the control channel and completes when the peer acknowledges. The peer is never told about blocks
-that were not fully written, and no byte moves before its grant.
+initiator maps the peer's base tensors once, runs ``copy_blocks`` between them, then notifies the
+peer over the control channel and completes when the peer acknowledges. The peer is never told
+about blocks that were not fully written. Before any byte of a WRITE moves, the initiator asks the
+peer for a grant of the transfer's blocks (the peer checks region, layout, ids and the request's
+age, and holds the blocks: see :mod:`xfer.transports.completion`); a READ writes only this side's
+memory and copies at once (its notice is checked against what the peer changed meanwhile).
 
-A worker thread takes the posted jobs in order, asks for the grants of every job queued to one
+A worker thread takes the posted jobs in order, asks for the grants of every WRITE queued to one
 peer in one message, then launches their copies: queued on a CUDA stream (a launch returns at
 once), or run on the host in chunks, checking between chunks for a stop (cancel, deadline) and the
 peer's liveness. A completer thread waits for each job's copy, then notifies the peer (several
@@ -162,13 +163,17 @@ class OneSidedTransport(Transport):
     def _granted(self, batch: list[Job]) -> list[Job]:
         """The jobs of ``batch`` the peers granted (in order); the others are ended, nothing moved."""
         by_peer = {}
+        reads = set()
         for job in batch:
             t = job.transfer
             if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
                 t.fail(t.error)
                 continue
             t.begin()
-            by_peer.setdefault(id(job.peer), []).append(job)
+            if job.op is Op.READ:  # writes only this side's memory: no grant (its notice is checked)
+                reads.add(id(job))
+            else:
+                by_peer.setdefault(id(job.peer), []).append(job)
         for jobs in by_peer.values():
             try:
                 self._check_alive(jobs[0])
@@ -183,10 +188,11 @@ class OneSidedTransport(Transport):
                     self._fail(job, error)
                 else:
                     job.transfer.mark("granted")
-        return [job for job in batch if job.grant is not None]
+        return [job for job in batch if job.grant is not None or id(job) in reads]
 
     def _start(self, job: Job) -> None:
         """Launch the job's copies and hand it to the completer."""
+        job.started = time.monotonic()
         job.transfer.mark("started")
         try:
             event = self._launch(job)
