@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from xfer import Agent, AgentConfig, shared_empty
-from xfer.errors import TransferTimeoutError
+from xfer.errors import FenceTimeoutError, TransferTimeoutError
 
 from .block_manager import BlockManager, blocks_for
 from .config import ModelSpec, PoolSpec, WaitMode
@@ -77,7 +77,9 @@ class DecodeInstance:
     ``kv.<l>.h<a>-<b>``); a layer has landed once every shard's write for it did. swap_blocks:
     host blocks for swapping (0: no swap; each request then reserves its blocks for all its tokens).
     on_ready(seq): called once a request's KV landed (the confirmation a prefill lease waits for);
-    on_finish(seq): called when a request finished or failed, its blocks already freed.
+    on_finish(seq): called when a request finished or failed, its blocks already freed (a failed
+    one's blocks once the agent revoked them: a prefill write may still be landing; until then
+    they wait in ``quarantine`` and a later step frees them).
     max_batch: at most this many requests decode in one forward (continuous batching: requests join
     and leave between steps).
     """
@@ -103,6 +105,8 @@ class DecodeInstance:
         self.max_batch = max_batch
         self.batch_sizes: collections.Counter = collections.Counter()  # forward batch size -> steps
         self.recent_batches: collections.deque = collections.deque(maxlen=256)  # request ids of recent steps
+        # blocks of failed requests a prefill may still write (issue 29's fence): freed once revoked
+        self.quarantine: list[list[int]] = []
 
     def __repr__(self) -> str:
         states = collections.Counter(s.state.name for s in self.seqs.values())
@@ -213,6 +217,7 @@ class DecodeInstance:
         waits at each layer until that layer of every such request landed.
         """
         self._reap_swaps()
+        self._free_quarantined()
         self._schedule_swaps()
         batch = []
         for seq in self.seqs.values():
@@ -255,7 +260,10 @@ class DecodeInstance:
         return True
 
     def _finish(self, seq: Sequence) -> None:
-        self.blocks.free(seq.blocks if seq.blocks else [])
+        if "error" in seq.times and seq.blocks and not self._revoked(seq.blocks):
+            self.quarantine.append(list(seq.blocks))  # a write may still land: not reusable yet
+        else:
+            self.blocks.free(seq.blocks if seq.blocks else [])
         if seq.host_blocks and self.swapper is not None:
             self.swapper.blocks.free(seq.host_blocks)
         seq.state = State.FINISHED
@@ -264,6 +272,24 @@ class DecodeInstance:
         self.finished.append(seq)
         if self.on_finish is not None:
             self.on_finish(seq)
+
+    def _revoked(self, blocks: list[int]) -> bool:
+        """Whether no prefill write can land in ``blocks`` any more (the agent revoked them; never waits)."""
+        try:
+            self.agent.revoke(blocks, timeout=0)
+            return True
+        except FenceTimeoutError:
+            return False
+
+    def _free_quarantined(self) -> None:
+        """Blocks of failed requests whose writes have been fenced meanwhile go back to the pool."""
+        keep = []
+        for b in self.quarantine:
+            if self._revoked(b):
+                self.blocks.free(b)
+            else:
+                keep.append(b)
+        self.quarantine = keep
 
     # ---- swap --------------------------------------------------------------------------------
     def _reap_swaps(self) -> None:

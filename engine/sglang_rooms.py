@@ -2,9 +2,10 @@
 ``XferKVReceiver`` (decode). Protocol and deadlines: ``xfer.engine.sglang_conn``.
 
 Every method SGLang's scheduler loop calls returns at once: network work goes to the manager's
-``Background`` (``mgr.bg``) and is polled. Both sides report a room ended only once its
-transfers ended (``XferKVSender._conclude``, ``XferKVReceiver._conclude``): the call sites
-issue 29's fence tightens.
+``Background`` (``mgr.bg``) and is polled. Both sides report a room ended only once nothing of
+it can land any more (issue 29's fence): the sender once its writes ended (a transfer reads ended
+only once fenced), the receiver of a failed or aborted room once its agent revoked the room's
+pages (``XferKVReceiver._conclude``: it reads Transferring until then, so SGLang frees them after).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, BaseKVSender, KVPoll
 
-from xfer.errors import XferError
+from xfer.errors import FenceTimeoutError, XferError
 from xfer.transfer import Op
 
 from .kvlink import TransferGroup, readers_of
@@ -208,15 +209,55 @@ class XferKVReceiver(BaseKVReceiver):
         self.started = False
         self.sent: list = []  # Background deliveries of the wants
         self.since = None
+        self.pages: list[int] = []  # this room's pages (a prefill may write them from send_metadata on)
+        self.aux = None
+        self.revoking = None  # (final state, Background revoke) while a failed room's pages are fenced
 
     def fail(self, why: str) -> None:
         self.errors.append(f"room {self.room}: {why}")
         self._conclude(KVPoll.Failed)
 
     def _conclude(self, state: int) -> None:
-        """The room ended on this side (SGLang then frees or uses its pages)."""
+        """The room ended on this side (SGLang then frees or uses its pages). A failed room whose
+        pages a prefill may still write reads Transferring until the agent revoked them (no write
+        can land any more: on the Background when it must wait, never on the scheduler loop)."""
+        if self.revoking is not None and self.revoking[1] is not None:
+            return  # a revoke of this failed room runs: poll() reports the room once it ended
+        if state == KVPoll.Failed and self.pages and self.revoking is None:
+            if not self._revoke(0):
+                self.revoking = (state, self.mgr.bg.submit(self._revoke, None))
+                self.state = KVPoll.Transferring
+                return
+        self.revoking = None
         self.state = self.conclude_state = state
         self.mgr.drop(self.room)
+
+    def _revoke(self, timeout) -> bool:
+        """Revoke the room's pages (every KV region) and its aux row; False if a write may still land."""
+        agent = self.mgr.link.agent
+        try:
+            agent.revoke(self.pages, timeout=timeout)
+            if self.aux is not None:
+                for region in agent.regions:
+                    if region.startswith("A"):
+                        agent.revoke([self.aux], region=region, timeout=timeout)
+            return True
+        except FenceTimeoutError:
+            if timeout is None:
+                raise
+            return False
+
+    def _fenced(self) -> None:
+        """A Background revoke of a failed room ended: report the room, or try again."""
+        state, fut = self.revoking
+        if not fut.done():
+            return
+        if fut.exception() is None:
+            self.revoking = (state, None)
+            self.state = self.conclude_state = state
+            self.mgr.drop(self.room)
+        else:  # a write may still land (its prefill stopped mid-copy): the pages stay held
+            self.revoking = (state, self.mgr.bg.submit(self._revoke, None))
 
     def init(self, prefill_dp_rank: int = 0):
         self.started = True
@@ -241,6 +282,7 @@ class XferKVReceiver(BaseKVReceiver):
                 self.fail(f"send_metadata in state {self.state}, before the bootstrap ended")
             return
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        self.pages, self.aux = pages, aux_index
         link = self.mgr.link
         self.mgr.room(self.room)  # results are kept from now on
         for i, (peer, heads) in enumerate(self.plan):  # the aux row (first-token metadata) from the first only
@@ -252,6 +294,9 @@ class XferKVReceiver(BaseKVReceiver):
         self.since = time.monotonic()
 
     def poll(self) -> int:
+        if self.revoking is not None and self.revoking[1] is not None:
+            self._fenced()
+            return self.state
         if self.state == KVPoll.Bootstrapping and self.started:
             self._bootstrap()
         if self.state != KVPoll.Transferring:
@@ -285,7 +330,7 @@ class XferKVReceiver(BaseKVReceiver):
 
     def abort(self):
         """Tell the prefill ranks (they stop writing into this room's pages), then fail the room."""
-        if self.state in (KVPoll.Success, KVPoll.Failed):
+        if self.state in (KVPoll.Success, KVPoll.Failed) or self.revoking is not None:
             return
         if self.state == KVPoll.Transferring:
             for peer, _ in self.plan:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from xfer import KVLayout
-from xfer.errors import LayoutError, XferError
+from xfer.errors import FenceTimeoutError, LayoutError, XferError
 from xfer.transfer import Op
 
 from .background import Background
@@ -136,6 +136,8 @@ class WorkerSide:
         self.finished_seen: set[str] = set()
         self.released: set[str] = set()
         self.early: dict[str, int] = {}  # releases that came before their hold
+        self.lease_blocks: dict[str, list[int]] = {}  # a lease's source blocks, revoked before they go back
+        self.revoking: dict[str, tuple] = {}  # key -> (blocks, its Background revoke waiting for reads to settle)
 
     def heads_of(self, tp: int, rank: int):
         return (0, 1) if self.s.use_mla else rank_heads(self.s.total_kv_heads, tp, rank)
@@ -180,6 +182,7 @@ class WorkerSide:
 
     def hold(self, spec: HoldSpec) -> None:
         self.leases.hold(spec.req_id, spec.blocks, ttl=self.s.lease_s, readers=self.readers())
+        self.lease_blocks[spec.req_id] = list(spec.blocks)
         for _ in range(self.early.pop(spec.req_id, 0)):
             self.release(spec.req_id)
 
@@ -191,9 +194,31 @@ class WorkerSide:
 
     def _source_free(self, key: str) -> None:
         """The one place the prefill side hands ``key``'s blocks back to vLLM (last release, or the
-        lease ended). Issue 29's fence tightens this: revoke the reads granted on these blocks and
-        report them only once no byte can be read from them any more."""
+        lease ended), once revoked: no read of them can go on (a one-sided READ begun before is
+        refused at its end; a UCX one's sends settled). The engine thread never waits: a revoke
+        that must wait runs on the Background and ``get_finished`` reports the blocks after it."""
+        blocks = self.lease_blocks.pop(key, None)
+        if blocks:
+            try:
+                self.link.agent.revoke(blocks, timeout=0)
+            except FenceTimeoutError:
+                self.revoking[key] = (blocks, self.bg.submit(self.link.agent.revoke, blocks))
+                return
         self.released.add(key)
+
+    def _revoked(self) -> None:
+        """Revokes that waited on the Background: their blocks go back; one that timed out again
+        keeps its blocks (still readable by a stuck transfer) and tries again."""
+        for key, (blocks, fut) in list(self.revoking.items()):
+            if not fut.done():
+                continue
+            if fut.exception() is None:
+                del self.revoking[key]
+                self.released.add(key)
+            else:
+                log.warning("xfer: blocks of %s still read by a transfer after the fence bound: kept (%s)", key,
+                            fut.exception())
+                self.revoking[key] = (blocks, self.bg.submit(self.link.agent.revoke, blocks))
 
     # -- decode side: loads (posted from the engine thread, run on the Background)
     def start_load(self, spec: LoadSpec) -> None:
@@ -255,7 +280,8 @@ class WorkerSide:
 
     def _load_ended(self, req_id: str) -> bool:
         """The one place a load's destination blocks go back to vLLM (recving / load errors), called
-        only once every read of it ended; issue 29's fence makes "ended" mean no byte lands later.
+        only once every read of it ended: a transfer reads ended only once fenced (no byte of it
+        lands later, issue 29), so a read cancelled or timed out mid-copy is waited out here.
         Then the prefill ranks are told to release their blocks (on the Background)."""
         load = self.loading.pop(req_id)
         ok = bool(load.group.poll())
@@ -320,6 +346,7 @@ class WorkerSide:
         for key in self.leases.expired():
             log.warning("xfer: lease of %s ended before its readers released it; freeing its blocks", key)
             self._source_free(key)
+        self._revoked()
         sending = {k for k in self.released if k in self.finished_seen}
         self.released -= sending
         self.finished_seen -= sending

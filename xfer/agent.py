@@ -380,9 +380,10 @@ class Agent:
     # ---- passive side ------------------------------------------------------------------------
     def revoke(self, blocks, *, region: str | None = None, timeout: float | None = None) -> int:
         """Take back blocks peers were granted (the destination of their WRITEs, the source of their
-        READs; ``region``: one region, None: every one): returns once no byte of any incoming
-        transfer into (or out of) them can still move, with how many transfers it stopped; no
-        notification of those is delivered from then on (one delivered before is in the inbox).
+        READs; ``region``: one region, None: every one, skipping ids past a region's end): returns
+        once no byte of any incoming transfer into (or out of) them can still move, with how many
+        transfers it stopped; no notification of those is delivered from then on (one delivered
+        before is in the inbox), and a one-sided READ of them begun before is refused at its end.
         Raises :class:`FenceTimeoutError` after ``timeout`` (default ``settings.fence.bound_s``)
         when a transfer may still write them (its initiator stopped mid-copy): keep them
         quarantined and revoke again later."""
@@ -391,7 +392,13 @@ class Agent:
             if region is not None and region not in self._regions:
                 raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
             regions = list(self._regions.values()) if region is None else [self._regions[region]]
-        return self._grants.revoke(regions, blocks, self._fence_s if timeout is None else timeout)
+        return self._grants.revoke(regions, blocks, self._fence_s if timeout is None else timeout,
+                                   strict=region is not None)
+
+    @property
+    def regions(self) -> list[str]:
+        """The names of the registered regions."""
+        return sorted(self._regions)
 
     def notifications(self, peer: str | None = None) -> list[Notification]:
         """Drain the notifications received so far (from ``peer`` only, if given)."""

@@ -205,20 +205,31 @@ class Grants:
         with self._lock:
             return [h for h in self._live.values() if region is None or h.region is region]
 
-    def revoke(self, regions: list[LocalRegion], blocks, timeout: float) -> int:
+    def revoke(self, regions: list[LocalRegion], blocks, timeout: float, *, strict: bool = True) -> int:
         """Revoke every hold on ``blocks`` (checked ids) of ``regions``; return how many there were
         once each ended, or raise FenceTimeoutError after ``timeout`` seconds naming those that did
-        not (their blocks must stay quarantined)."""
+        not (their blocks must stay quarantined). ``strict`` False: ids past a region's end are
+        skipped for that region (one id list over regions of different sizes)."""
         end = time.monotonic() + timeout
         picked = []
         with self._lock:
             for region in regions:
-                ids = region.layout.check_block_ids(blocks, what="revoked block ids")
+                if not strict:
+                    arr = np.asarray(blocks, dtype=np.int64).reshape(-1)
+                    blocks_here = arr[(arr >= 0) & (arr < region.layout.num_blocks)]
+                    if not blocks_here.size:
+                        continue
+                else:
+                    blocks_here = blocks
+                ids = region.layout.check_block_ids(blocks_here, what="revoked block ids")
                 self._busy(region).revoked[ids] = time.monotonic()  # reads begun before: refused
+                here = [h for h in self._live.values() if h.region is region]
+                if not here:  # the usual case: nothing to look for (no mask over every block)
+                    continue
                 mask = np.zeros(region.layout.num_blocks, dtype=bool)
                 mask[ids] = True
-                for h in self._live.values():
-                    if h.region is region and mask[h.ids].any():
+                for h in here:
+                    if mask[h.ids].any():
                         h.revoked = True
                         picked.append(h)
         for h in picked:
