@@ -152,6 +152,25 @@ def _side_main(conn, name, transport, kind, dims, netns, env, bind, config):
                         base.view(-1).view(torch.uint8).fill_(refill)
                 conn.send(out + [t.poll().name, getattr(t, "fence_time", None), ended, t.deadline,
                                  getattr(t, "stopped_at", None)])
+            elif cmd == "post_many":  # [(op, peer, src, dst, timeout, notify)] -> the first index
+                first = len(posted)
+                for op, peer, src, dst, tmo, note in arg:
+                    fn = agent.write if op == "write" else agent.read
+                    posted.append((fn(peer, src, dst, timeout=tmo, notify=note), dst))
+                conn.send(first)
+            elif cmd == "cancel_some":  # indices -> how many stops this started
+                conn.send(sum(posted[i][0].cancel() for i in arg))
+            elif cmd == "outcomes":  # indices -> [(state, error name, fence s, end monotonic, id, deadline)]
+                out = []
+                for i in arg:
+                    t = posted[i][0]
+                    try:
+                        t.wait()
+                        err = ""
+                    except Exception as exc:  # the outcome, as data
+                        err = type(exc).__name__
+                    out.append((t.poll().name, err, t.fence_time, t.finished, t.id, t.deadline))
+                conn.send(out)
             elif cmd == "notes":
                 conn.send([(n.transfer_id, n.peer, n.op.value, n.blocks.tolist()) for n in agent.notifications()])
             elif cmd == "revoke":

@@ -287,3 +287,117 @@ def test_auto_copy_path_is_reported(monkeypatch):
             assert t.copy_path == "triton" and "auto (default table): 32768-byte slices d2d -> kernel" in t.path
     finally:
         peer.close()
+
+
+# ---- GPU: the fence (issue 29) ---------------------------------------------------------------
+FENCE_DIMS = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # 32 KiB slices
+
+
+def _watch_device(tensors, seconds=2.0):
+    """Bytes of ``tensors`` (CUDA) that change over ``seconds`` (0: nothing landed after the end)."""
+    torch.cuda.synchronize()
+    ref = [t.clone() for t in tensors]
+    changed, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        torch.cuda.synchronize()
+        changed = max(changed, sum(int((a != b).sum()) for a, b in zip(ref, tensors)))
+    return changed
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("copy_path", ["kernel", "batch"])
+def test_ipc_cancel_mid_read_then_refill_lands_nothing_after(copy_path):
+    """A READ of the seed case cancelled right after it was posted: it reads CANCELLED (or DONE)
+    only once its copy ended (the queued kernels cannot be stopped: the stop waits for them); the
+    destination refilled then never changes for 2 s."""
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    peer = PeerProcess("prefill", kind, FENCE_DIMS, seed=5, device="cuda:0")
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **FENCE_DIMS)
+        with Agent("decode", AgentConfig(copy_path=copy_path)) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            agent.read(name, [0], [0]).wait()  # mapped once
+            for _ in range(5):
+                t = agent.read(name, list(range(128)), list(range(128, 256)), timeout=10)
+                t.cancel()
+                try:
+                    t.wait()
+                except Exception:  # CANCELLED: asserted below
+                    pass
+                assert t.poll() in (TransferState.CANCELLED, TransferState.DONE)
+                for x in tensors:
+                    x.view(-1).view(torch.uint8).fill_(0x11)
+                assert _watch_device(tensors) == 0, "bytes landed after the READ ended"
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+def test_ipc_cancel_mid_write_then_a_second_writer_keeps_the_second_writers_bytes():
+    """A WRITE cancelled right after posting, then another agent writes the same destination
+    blocks: the second writer's bytes are what the peer holds, for 2 s, and only its notice came."""
+    from xfer.bench.target import block_digests
+
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    peer = PeerProcess("decode", kind, FENCE_DIMS, device="cuda:0")
+    try:
+        a_t, layout = make_kv_cache(kind, device="cuda:0", **FENCE_DIMS)
+        c_t, _ = make_kv_cache(kind, device="cuda:0", **FENCE_DIMS)
+        fill_random(a_t, seed=6)
+        fill_random(c_t, seed=7)
+        with Agent("prefill-a") as a, Agent("prefill-c") as c:
+            a.register("kv", a_t, layout)
+            c.register("kv", c_t, layout)
+            na, nc = a.connect(peer.metadata), c.connect(peer.metadata)
+            src, dst = list(range(128)), list(range(128, 256))
+            t = a.write(na, src, dst, timeout=10, notify=b"first")
+            t.cancel()
+            try:
+                t.wait()
+            except Exception:  # CANCELLED, or DONE: both fine, the second writer comes after
+                pass
+            assert c.write(nc, src, dst, timeout=10, notify=b"second").wait() is TransferState.DONE
+            want = block_digests(layout, c_t, src)
+            for _ in range(3):
+                assert peer.call("digests", dst, timeout=120)[0] == want
+                time.sleep(1.0)
+            notes = [n[0] for n in peer.call("drain")]
+            assert len(notes) == (2 if t.poll() is TransferState.DONE else 1)
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
+def test_ipc_a_frozen_target_resumed_after_the_deadline_gets_no_byte_and_no_notice():
+    """The target is stopped (SIGSTOP) before the WRITE: the grant never comes, the WRITE ends
+    TIMED_OUT with nothing copied; resumed, the target refuses the late grant request (its age):
+    its blocks stay poisoned and no notice is delivered."""
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    peer = PeerProcess("decode", kind, FENCE_DIMS, device="cuda:0")
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **FENCE_DIMS)
+        fill_random(tensors, seed=8)
+        with Agent("prefill") as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            agent.write(name, [0], [0]).wait()
+            peer.call("drain")
+            peer.stop_signal()
+            try:
+                t = agent.write(name, list(range(1, 129)), list(range(1, 129)), timeout=1.0)
+                with pytest.raises(TransferTimeoutError):
+                    t.wait()
+            finally:
+                import os
+                import signal as _signal
+                os.kill(peer.proc.pid, _signal.SIGCONT)
+            time.sleep(1.0)
+            _, untouched = peer.call("digests", [0], timeout=120)  # every block but 0 still poisoned
+            assert untouched and peer.call("drain") == []
+    finally:
+        peer.close()

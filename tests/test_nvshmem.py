@@ -21,7 +21,7 @@ import nvshmem_helpers
 from nvshmem_helpers import FakeFabric, PeProcess, close_group
 from xfer import Agent, AgentConfig, LayoutKind, TransferState, TransportKind, make_kv_cache
 from xfer.config import NvshmemGroup
-from xfer.errors import (InvalidArgumentError, LayoutMismatchError, NotRegisteredError,
+from xfer.errors import (FenceTimeoutError, InvalidArgumentError, LayoutMismatchError, NotRegisteredError,
                          TransferCancelledError, TransferTimeoutError, TransportError, TransportUnavailableError)
 from xfer.store import open_store
 from xfer.transports.nvshmem import bootstrap as bootstrap
@@ -152,6 +152,8 @@ def test_begin_validation():
         (dict(per_chunk=10 ** 6), InvalidArgumentError, "exceed this PE's staging chunk"),
         (dict(seq0=0), InvalidArgumentError, "seq0 must be >= 1"),
         (dict(timeout=-1), InvalidArgumentError, "timeout"),
+        (dict(timeout=float("nan")), InvalidArgumentError, "timeout: ttl must be a finite number"),
+        (dict(timeout=float("inf")), InvalidArgumentError, "timeout: ttl must be a finite number"),
         (dict(dead_upto="x"), InvalidArgumentError, "dead_upto"),
     ]
     for over, exc, match in cases:
@@ -405,11 +407,14 @@ def test_cancel_and_a_lane_that_cannot_drain(monkeypatch):
     fabric, (p, d), ((pt, pl), (dt, dl)) = pair(monkeypatch)
     try:
         fabric.pes[1].pause()
-        t = p.write("decode", list(range(12)), list(range(12)), timeout=30)
+        t = p.write("decode", list(range(12)), list(range(12)), timeout=1.0)
         time.sleep(0.3)
         assert t.cancel()
-        with pytest.raises(TransferCancelledError):
+        # the write's own lane drains (its sender side), but the stop is fenced only once it did:
+        # CANCELLED; a lane that cannot drain fences nothing (the transfer would stay STOPPING)
+        with pytest.raises((TransferCancelledError, FenceTimeoutError)):
             t.wait()
+        assert t.poll() in (TransferState.CANCELLED, TransferState.STOPPING)
         time.sleep(1.5)  # decode's receive lane cannot drain while its GPU stays stuck: broken
         t = p.write("decode", [1], [1], timeout=5)
         with pytest.raises(TransportError, match="is broken: its stream did not drain"):
@@ -710,6 +715,39 @@ def test_gpu_deadline_expiry_then_exact_transfers():
 
 @gpu
 @needs_nvshmem
+def test_gpu_a_stopped_transfer_lands_nothing_after_it_ended():
+    """Issue 29's fence on NVSHMEM: READs and WRITEs whose deadline expires mid-flight end TIMED_OUT
+    only once their lane drained; the destination then does not change for 2 s (a READ's own blocks;
+    a WRITE's blocks on the peer), and the peer is notified of none of them."""
+    with open_store("tcp://127.0.0.1:0") as store:
+        p, d = start_group(store, "fence", [0, 0])
+        try:
+            layout = make_kv_cache(NHD, device="meta", **GPU_DIMS)[1]
+            p.call("region", {"region": "kv", "kind": NHD.value, "dims": GPU_DIMS, "memory": "torch", "seed": 4})
+            d.call("region", {"region": "kv", "kind": NHD.value, "dims": GPU_DIMS, "memory": "torch", "seed": 5})
+            connect(p, d)
+            stopped = 0
+            for timeout in (1e-4, 3e-4, 1e-3, 3e-3):
+                for op, where in (("read", p), ("write", d)):
+                    res = transfer(p, op, "pe1", range(32), range(32), timeout=timeout)
+                    assert res["state"] in ("TIMED_OUT", "DONE"), res
+                    if res["state"] == "DONE":
+                        continue
+                    stopped += 1
+                    before = fetch(where, "kv", layout)
+                    time.sleep(2.0)
+                    after = fetch(where, "kv", layout)
+                    diff = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(before, after)]
+                    assert not any(diff), f"{sum(diff)} bytes landed after the {op} ended ({res})"
+            notes = d.call("notifications")
+            print(f"stopped mid-flight: {stopped}; notices: {len(notes)}")
+            assert len(notes) <= 8 - stopped  # only the DONE ones were notified
+        finally:
+            close_group([p, d])
+
+
+@gpu
+@needs_nvshmem
 @pytest.mark.parametrize("victim", ["receiver", "sender"])
 def test_gpu_killed_peer(victim):
     """A PE killed (SIGKILL): the survivor's transfers end with a typed error by their deadline and its
@@ -764,7 +802,7 @@ def test_gpu_register_existing_pool_on_the_symmetric_heap():
             close_group([p, d])
 
 
-@pytest.mark.parametrize("body", ["staged", "direct", "registered", "expiry"])
+@pytest.mark.parametrize("body", ["staged", "direct", "registered", "expiry", "fence"])
 def test_gpu_test_bodies_dry_run_on_the_fake(body, monkeypatch):
     """The GPU tests' own steps and checks, with PEs as threads of this process on the CPU stand-in
     (so that a GPU run fails only on what the GPU does differently)."""
@@ -776,7 +814,8 @@ def test_gpu_test_bodies_dry_run_on_the_fake(body, monkeypatch):
     monkeypatch.setitem(globals(), "PeProcess", nvshmem_helpers.PeThread)
     fn = {"staged": test_gpu_two_pes_staged_write_and_read, "direct": test_gpu_two_pes_direct_between_symmetric_pools,
           "registered": test_gpu_register_existing_pool_on_the_symmetric_heap,
-          "expiry": test_gpu_deadline_expiry_then_exact_transfers}[body]
+          "expiry": test_gpu_deadline_expiry_then_exact_transfers,
+          "fence": test_gpu_a_stopped_transfer_lands_nothing_after_it_ended}[body]
     fn(*([(0, 0)] if body in ("staged", "direct") else []))
 
 

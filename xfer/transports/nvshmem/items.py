@@ -96,6 +96,18 @@ def _notice_abort(job, owner, role: int, upto: int) -> None:
         pass
 
 
+def _fenced(t, error: XferError, drained: bool) -> None:
+    """End ``t`` with ``error`` once its lane drained (nothing of it can land any more). A lane
+    whose stream did not drain (a hung GPU) fences nothing: the transfer stays STOPPING (its
+    ``wait()`` raises FenceTimeoutError: keep its blocks quarantined)."""
+    if drained:
+        t.fail(error)
+        return
+    t.stop(error)
+    log.error("NVSHMEM transfer %s is not fenced: its lane's stream did not drain; it stays STOPPING, its blocks "
+              "must stay quarantined", t.id)
+
+
 class _Initiated(_Item):
     """An item for a transfer this agent posted (a Job): it also stops on cancellation."""
 
@@ -125,7 +137,7 @@ class WriteSend(_Initiated):
 
     def run(self, lane) -> None:
         job, t = self.job, self.job.transfer
-        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+        if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
             t.fail(t.error)
             return
         t.begin()
@@ -144,11 +156,10 @@ class WriteSend(_Initiated):
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer
             error = _as_xfer_error(exc, f"NVSHMEM write {t.id}")
             lane.dead_upto = max(lane.dead_upto, self.last)
-            if queued:
-                lane.drain(self.last)
+            drained = lane.drain(self.last) if queued else True
             if not isinstance(error, PeerDisconnectedError):
                 _notice_abort(job, self.owner, proto.ROLE_WRITE, self.last)
-            t.fail(error)
+            _fenced(t, error, drained)
         finally:
             self.keep = None
 
@@ -250,7 +261,7 @@ class ReadReceive(_Initiated):
 
     def run(self, lane) -> None:
         job, t = self.job, self.job.transfer
-        if t.poll().terminal:  # ended before it started (cancel, deadline): nothing of it moves
+        if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
             t.fail(t.error)
             return
         t.begin()
@@ -266,10 +277,10 @@ class ReadReceive(_Initiated):
         except BaseException as exc:  # noqa: BLE001
             error = _as_xfer_error(exc, f"NVSHMEM read {t.id}")
             lane.dead_upto = max(lane.dead_upto, self.last)
-            if queued:
-                lane.drain(self.last)  # before failing: the engine may reuse the blocks at once
+            # before failing: the engine may reuse the blocks at once
+            drained = lane.drain(self.last) if queued else True
             if not isinstance(error, PeerDisconnectedError):
                 _notice_abort(job, self.owner, proto.ROLE_READ, self.last)
-            t.fail(error)
+            _fenced(t, error, drained)
         finally:
             self.keep = None

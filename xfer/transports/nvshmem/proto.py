@@ -24,7 +24,7 @@ from ...errors import InvalidArgumentError, LayoutError
 from ...layout import KVLayout
 from ...transfer import Op
 from ..chunking import ChunkPlan, plan_blocks
-from ..incoming import check_request
+from ..incoming import check_request, check_ttl
 
 __all__ = ["ROLE_WRITE", "ROLE_READ", "ROLE_NAMES", "DEPTH", "StagingPlan", "ChunkPlan", "plan_chunks",
            "Begin", "ReadRequest", "parse_begin", "parse_read", "parse_member", "parse_abort"]
@@ -112,10 +112,10 @@ def _counts(h: dict, what: str, n: int, bytes_per_block: int, chunk_cap: int) ->
 
 
 def _timeout(h: dict, what: str) -> float:
-    t = h.get("timeout")
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < 1e7:
+    t = check_ttl(h.get("timeout"), what=f"{what}: timeout")  # the one check of a peer's time (NaN, inf refused)
+    if not t > 0:
         raise InvalidArgumentError(f"{what}: timeout must be seconds > 0, got {t!r}")
-    return float(t)
+    return t
 
 
 @dataclass(frozen=True)

@@ -197,12 +197,12 @@ class Flows:
         self._stopping[flow] = None
         self._unreceive(flow)
         conn = flow.conn
-        if not flow.requested:  # its REQ never left (the hello round is not over): nothing of it moved
-            conn.waiting = [m for m in conn.waiting if m[1].get("k") != flow.key or m[0] is not wire.Kind.REQ]
-            flow.peer_fenced = True
-        elif not conn.dead:
+        if not conn.dead:  # behind its REQ if that still waits for the hello round (it may describe the
+            # layout later REQs of the connection name: it must go out)
             self._e.proto.send_ctrl(conn, wire.Kind.CANCEL, {"k": flow.key, "init": True,
                                                              "why": error_codec.encode(err)[0]})
+        elif not flow.requested:  # its REQ never left and never will: nothing of it moved
+            flow.peer_fenced = True
         self.check_stopped(flow)
 
     def check_stopped(self, flow) -> None:
@@ -229,7 +229,8 @@ class Flows:
         self.drop(flow)
         if not flow.settled():  # UCX or a copy may still touch its blocks: report once it settled
             flow.held = (err, notify_peer)
-            self._held[flow] = min(time.monotonic() + self.grace, flow.deadline)  # past its deadline: close now
+            # the grace whatever its deadline: closing the connection fails every other flow on it too
+            self._held[flow] = time.monotonic() + self.grace
             return
         self._report_failed(flow, err, notify_peer)
 

@@ -20,13 +20,16 @@ WRITE's chunks follow the request at once and wait, outside any staging slot, un
 validated, or are discarded), and ends when the receiving side has landed every byte, delivered
 its notification and acknowledged. Staging slots cannot deadlock (argued in slots.py).
 Deadlines bound every wait; a dead peer or cut link fails the affected transfers (typed errors),
-and the receiving side never delivers a notification for a transfer it dropped. Known gap: when
-every byte landed and the acknowledgement is delayed past the initiator's deadline (a link flap),
-the peer has been notified while the initiator reports TIMED_OUT; the late acknowledgement is
-logged as a warning. This is the two-generals problem (whichever side decides last, a message
-that can be lost decides for the other): no protocol closes it; the blocks are whole (a complete
-block reported failed, never a partial one reported complete), and the soak counts such
-transfers apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold)
+and the receiving side never delivers a notification for a transfer it dropped. A stop (cancel,
+deadline) is a fence on both sides: the initiator sends CANCEL and reports the transfer ended
+once the target answered STOPPED (its side dropped, its chunks settled) and its own chunks
+settled; without an answer within ``settings.fence.grace_s`` the connection is closed (tables.py,
+docs/reliability.md). Known gap: when every byte landed and the connection dies before the
+acknowledgement arrives (a cut link, a lost host), the peer has been notified while the
+initiator reports FAILED or TIMED_OUT. This is the two-generals problem (whichever side decides
+last, a message that can be lost decides for the other): no protocol closes it; the blocks are
+whole (a complete block reported failed, never a partial one reported complete), and the soak
+counts such transfers apart. A second known limit: chunks sent eagerly (below UCX's rendezvous threshold)
 that arrive faster than they are scattered wait in UCX's own unexpected-message buffers (bounded
 by the transfers in flight, not by the staging slots).
 
