@@ -60,7 +60,7 @@ class Trio:
 
     def __init__(self, transport: str, *, netns=None):
         self.transport = transport
-        wire = "local" if transport == "local" else "ucx"
+        wire = "local" if transport == "local" else "ucx"  # ucx or ucx-veth
         cfg = {"chunk_bytes": 256 << 10} if wire == "local" else {}
         where = {}
         if netns is not None:
@@ -96,11 +96,32 @@ class Trio:
             s.close()
 
 
-@pytest.fixture(scope="module", params=_transports())
+def _trio_transports():
+    """The transports of the shared trio: ``ucx-veth`` too (A and C in one network namespace, B in
+    the other, joined by a veth pair) where namespaces can be made."""
+    out = _transports()
+    if "ucx" in out:
+        from ucx_helpers import netns_skip_reason
+
+        if netns_skip_reason() is None:
+            out.append("ucx-veth")
+    return out
+
+
+@pytest.fixture(scope="module", params=_trio_transports())
 def trio(request):
-    t = Trio(request.param)
-    yield t
-    t.close()
+    pair = None
+    if request.param == "ucx-veth":
+        from ucx_helpers import NetnsPair
+
+        pair = NetnsPair()
+    try:
+        t = Trio(request.param, netns=pair)
+        yield t
+        t.close()
+    finally:
+        if pair is not None:
+            pair.close()
 
 
 def _end(side: Side, i: int, refill=None):
