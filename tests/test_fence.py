@@ -132,9 +132,9 @@ def _end(side: Side, i: int, refill=None):
 
 
 def _fence_bound(transport: str) -> float:
-    # local: the copy chunk in flight (256 KiB + DELAY) and one notice; ucx: the peer's STOPPED
-    # within the grace, else the close; 1 s of slack for a loaded 2-core host
-    return (GRACE if transport != "local" else 0.1) + 1.0
+    # local: the copy chunk in flight (256 KiB + DELAY) and the reply to one notice (a frozen peer:
+    # the grace); ucx: the peer's STOPPED within the grace, else the close; 1 s of slack (2 busy cores)
+    return GRACE + 1.0
 
 
 def _check_fence(case, transport, state, fence, changed, checked_before):
