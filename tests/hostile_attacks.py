@@ -155,3 +155,174 @@ def garbage(address, blobs: list[bytes]) -> int:
         except OSError:
             pass
     return n
+
+
+# ---- UCX ------------------------------------------------------------------------------------------
+class UcxClient:
+    """A hand-driven UCX endpoint to a victim's listener: the hello, then tagged messages of any
+    shape. ``their_id``: the connection id the victim gave us (our tags carry it); ``session``:
+    what we can derive of the session (no secret: the public tag key; with one, nothing)."""
+
+    def __init__(self, host: str, port: int, name: str = "mallory"):
+        import numpy as np
+        import ucxx._lib.libucxx as u
+        from ucxx._lib.arr import Array
+
+        from xfer.transports.ucx import wire
+        from xfer.transports.ucx.conn import Conn
+
+        self.np, self.u, self.Array, self.wire = np, u, Array, wire
+        self.ctx = u.UCXContext({"TLS": "tcp", "NET_DEVICES": "lo"},  # loopback only, whatever the environment
+                                feature_flags=(u.Feature.TAG, u.Feature.WAKEUP, u.Feature.STREAM))
+        self.w = u.UCXWorker(self.ctx)
+        self.ep = u.UCXEndpoint.create(self.w, host, port, True)
+        self.conn = Conn(self.ep, 1, outgoing=True, name="victim")
+        hello = wire.hello(1, "m" * 32, name, self.conn.nonce)
+        reqs = [self.ep.stream_send(Array(hello)), self.ep.stream_recv(Array(self.conn.hello_in))]
+        self.wait(lambda: all(r.completed for r in reqs), 10, "the hello")
+        self.conn.on_hello(None, "m" * 32)  # the key without a secret: all an outsider can derive
+        self.their_id = self.conn.remote_id
+        self.keep = []
+
+    def wait(self, cond, timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            self.w.progress()
+            if time.monotonic() > end:
+                raise TimeoutError(f"{what} did not complete within {timeout} s")
+
+    def progress(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.w.progress()
+            time.sleep(0.001)
+
+    def send(self, tag: int, data, wait: bool = True):
+        buf = data if isinstance(data, self.np.ndarray) else self.np.frombuffer(bytearray(data), self.np.uint8)
+        req = self.ep.tag_send(self.Array(buf), self.u.UCXXTag(tag))
+        self.keep.append((req, buf))
+        if wait:
+            self.wait(lambda: req.completed, 30, "a send")
+        return req
+
+    def ctrl(self, conn_id: int | None = None) -> int:
+        return self.wire.ctrl_tag(self.their_id if conn_id is None else conn_id)
+
+    def message(self, kind, header: dict, ids=None, payload: bytes = b"") -> bytes:
+        """A control message sealed with what we know of the session (no MAC without the secret)."""
+        return bytes(self.wire.encode(kind, header, ids, payload, self.conn.session))
+
+    def raw(self, kind: int, h: bytes, b: bytes = b"", seq: int = 2) -> bytes:
+        return self.wire._MSG.pack(kind, len(h), len(b), seq, bytes(16)) + h + b
+
+    def proof(self) -> None:
+        self.send(self.ctrl(), self.message(self.wire.Kind.PROOF, {}))
+
+
+def _req_fields(**kw) -> dict:
+    h = {"k": 1, "op": "write", "region": "kv", "n": 1, "bpc": 1, "lpc": 4, "xid": 1, "ttl": 10.0, "sent": 0.0,
+         "tid": "x", "from": "mallory", "order": "NHC", "lid": 1}
+    h.update(kw)
+    return h
+
+
+def ucx_deep_json(host, port) -> dict:
+    """Case 2: a REQ whose JSON part nests 200,000 deep, after a PROOF (no MAC: accepted only by
+    a victim without a secret)."""
+    c = UcxClient(host, port)
+    c.proof()
+    wire = c.wire
+    fixed, nums, strs = wire._FIELDS[wire.Kind.REQ]
+    h = _req_fields()
+    head = fixed.pack(*[h[f] for f in nums]) + b"".join(wire._LEN.pack(len(str(h[f]))) + str(h[f]).encode()
+                                                         for f in strs)
+    c.send(c.ctrl(), c.raw(int(wire.Kind.REQ), head + b"[" * 200_000, b"\0" * 8, seq=2))
+    c.progress(1.0)
+    return {"sent": True}
+
+
+def ucx_big_messages(host, port, sizes: list[int]) -> dict:
+    """Cases 3 and 5: control messages claiming ``sizes`` bytes (the buffers are mapped, not
+    touched: a 1 TiB one costs the attacker nothing either); each send is posted, not awaited."""
+    import mmap
+
+    c = UcxClient(host, port)
+    c.proof()
+    reqs = []
+    for n in sizes:
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, prot=mmap.PROT_READ)  # NORESERVE
+        buf = c.np.frombuffer(m, dtype=c.np.uint8)
+        reqs.append(c.send(c.ctrl(), buf, wait=False))
+    c.progress(3.0)
+    return {"completed": sum(bool(r.completed) for r in reqs)}
+
+
+def ucx_early_flood(host, port, count: int, nbytes: int) -> dict:
+    """Case 5: ``count`` chunks of ``nbytes`` for transfers never requested (tags computed with the
+    key an outsider can derive: valid only where the victim has no secret)."""
+    c = UcxClient(host, port)
+    c.proof()
+    data = c.np.zeros(nbytes, dtype=c.np.uint8)
+    for i in range(count):
+        xid = 1 + i // 4
+        tag = c.wire.ctrl_tag(c.their_id) | (xid & 0xFFFF) << 32 | c.conn.chunk_bits(xid, i % 4, True)
+        c.send(tag, data, wait=False)
+        if i % 256 == 255:
+            c.progress(0.005)
+    c.progress(2.0)
+    return {"sent": count}
+
+
+def ucx_malformed(host, port) -> dict:
+    """Case 6: a PROOF, then control messages that lie about their lengths, name kind 99, or carry
+    a string field running past the header."""
+    c = UcxClient(host, port)
+    c.proof()
+    k = int(c.wire.Kind.REFUSE)
+    for m in (c.raw(k, b"\0" * 8 + b"\xff\xff", seq=2), c.raw(99, b"x" * 8, seq=3),
+              c.wire._MSG.pack(k, 9999, 0, 4, bytes(16)) + b"\0" * 8):
+        c.send(c.ctrl(), m)
+    c.progress(1.0)
+    return {"sent": 3}
+
+
+def ucx_replay(host, port, captured: list[tuple[int, bytes]], chunk: int, spoof_ids: list[int]) -> dict:
+    """Case 8: a REQ captured from a legitimate peer's traffic (tag, bytes), sent on the
+    attacker's own connection and with the legitimate connection's tag, then the attacker's own
+    data chunk for that request (tags guessed), on both tags."""
+    c = UcxClient(host, port)
+    c.proof()
+    for tag, msg in captured:
+        c.send(c.ctrl(), msg)  # on its own connection (not authenticated: only a PROOF is taken)
+        c.send(tag, msg)  # as the legitimate connection (its sequence number is used up)
+        xid = int.from_bytes(msg[c.wire.PREFIX_BYTES + 8:c.wire.PREFIX_BYTES + 12], "big")
+        for conn_id in [tag >> 48] + spoof_ids:
+            for x in (xid, xid + 1):
+                c.send(c.wire.ctrl_tag(conn_id) | (x & 0xFFFF) << 32 | 0x5EED5EED, b"\xee" * chunk)
+    c.progress(1.0)
+    return {"sent": len(captured)}
+
+
+def ucx_forged_acks(conn, host, port, ids: list[int]) -> None:
+    """Case 9: unsigned ACKs for keys 1..400 on every connection id in ``ids`` until "stop"."""
+    c = UcxClient(host, port)
+    sent = 0
+    while not conn.poll(0):
+        for conn_id in ids:
+            for k in range(1, 400, 7):
+                c.send(c.wire.ctrl_tag(conn_id), c.raw(int(c.wire.Kind.ACK), k.to_bytes(8, "big"), seq=sent + 2),
+                       wait=False)
+                sent += 1
+        c.progress(0.01)
+        c.keep = c.keep[-2000:]
+    conn.recv()
+    conn.send({"sent": sent})
+
+
+def tcp_connect(host: str, port: int) -> str:
+    """Case 10: can a TCP connection be made to (host, port)?"""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return "connected"
+    except OSError as exc:
+        return type(exc).__name__

@@ -137,16 +137,17 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _victim_main(conn, name, kind, dims, secret, enable, env, settings_env):
+def _victim_main(conn, name, kind, dims, secret, enable, env, settings_env, listen_host):
     os.environ.update(env)
     os.environ.update(settings_env)
     handler = _ListHandler()
     logging.getLogger("xfer").addHandler(handler)
     from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
+    from xfer.transports import TransportKind
 
     tensors, layout = make_kv_cache(kind, empty=shared_empty, **dims)
     poison(tensors)
-    agent = Agent(name, AgentConfig(secret=secret, enable=enable, default_timeout_s=20))
+    agent = Agent(name, AgentConfig(secret=secret, enable=enable, default_timeout_s=20, listen_host=listen_host))
     agent.register("kv", tensors, layout)
     conn.send(agent.metadata())
     held: list[int] = []
@@ -169,10 +170,9 @@ def _victim_main(conn, name, kind, dims, secret, enable, env, settings_env):
                 conn.send(list(handler.lines))
             elif cmd == "rejections":
                 counts = dict(agent._server.rejections.counts)
-                for t in agent.transports.values():
-                    rej = getattr(t, "rejections", None)
-                    if rej is not None:
-                        counts.update({f"ucx:{k}": v for k, v in rej.counts.items()})
+                ucx = agent.transports.get(TransportKind.UCX)
+                if ucx is not None:
+                    counts.update({f"ucx:{k}": v for k, v in ucx._engine.proto.rejections.counts.items()})
                 conn.send(counts)
             elif cmd == "threads":
                 import threading
@@ -206,11 +206,13 @@ def _victim_main(conn, name, kind, dims, secret, enable, env, settings_env):
 class Victim(ChildProcess):
     """An agent in a spawned child with a shared-memory region ``kv`` holding the poison."""
 
-    def __init__(self, name, kind, dims, *, secret=None, enable=("local",), env=None, settings_env=None):
+    def __init__(self, name, kind, dims, *, secret=None, enable=("local",), env=None, settings_env=None,
+                 listen_host="127.0.0.1"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_victim_main, daemon=True,
-                                args=(child, name, kind, dims, secret, enable, env or {}, settings_env or {}))
+                                args=(child, name, kind, dims, secret, enable, env or {}, settings_env or {},
+                                      listen_host))
         self.proc.start()
         end = time.monotonic() + 60
         while not self.conn.poll(0.1):
@@ -332,3 +334,9 @@ def assert_victim_holds(victim: Victim, expected, dst) -> None:
     for s, (a, b) in enumerate(zip(expected, got)):
         assert np.array_equal(a, b), f"slot {s}: the victim's block differs from what the legitimate peer wrote"
     assert_untouched(victim.layout, got_tensors, list(dst))
+
+
+def report(victim: Victim, counts: dict, before: int | None = None) -> None:
+    """Print what the victim rejected (and its RSS growth): ``pytest -s`` shows the figures."""
+    rss = "" if before is None else f"; RSS {(victim.rss() - before) / (1 << 20):+.1f} MiB"
+    print(f"\n[{victim.name}] rejections {counts}{rss}; descriptors {victim.fds()}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import time
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -115,3 +116,74 @@ def test_fuzz_control_leaves_the_victim_serving(victim):
     assert_victim_holds(victim, expected, (9,))
     victim.call("poison")
     time.sleep(0.2)
+
+
+# ---- the UCX listener ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ucx_victim():
+    """A victim without a secret: no MAC stops a message, so every one reaches the parser."""
+    pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e '.[ucx]'")
+    from ucx_helpers import ucx_env
+
+    v = Victim("fuzz-ucx", KIND, DIMS, enable=("ucx",), env=ucx_env())
+    info = md_codec.decode(v.metadata).transports["ucx"]
+    v.ucx = (info["address"], info["port"])
+    v.fds_before = v.fds()
+    with pytest.MonkeyPatch.context() as mp:  # this process's legitimate agent: UCX on loopback too
+        for k, val in ucx_env().items():
+            mp.setenv(k, val)
+        yield v
+        try:
+            expected = legit_write(KIND, DIMS, v.metadata, enable=("ucx",), src=(2, 3), dst=(7, 8))
+            assert_victim_holds(v, expected, (7, 8))
+        finally:
+            v.close()
+
+
+@pytest.fixture(scope="module")
+def ucx_client(ucx_victim):
+    from hostile_attacks import UcxClient
+
+    c = UcxClient(*ucx_victim.ucx, name="fuzzer")
+    c.proof()
+    return c
+
+
+@FUZZ
+@given(data=st.binary(max_size=800))
+def test_fuzz_ucx_listener_random_bytes(ucx_victim, data):
+    _send(ucx_victim.ucx, data)
+
+
+def _valid_messages(c):
+    from hostile_attacks import _req_fields
+
+    k = c.wire.Kind
+    return [c.message(k.REQ, _req_fields(xid=5, layout={"num_layers": 2}), np.arange(2), b"note"),
+            c.message(k.ACK, {"k": 3}), c.message(k.CANCEL, {"k": 3, "init": True, "why": "x"}),
+            c.message(k.REFUSE, {"k": 3, "error": "BlockIdError", "message": "m"})]
+
+
+@FUZZ
+@given(which=st.integers(0, 3), edits=EDITS, tag_kind=st.sampled_from(["ctrl", "data", "other"]),
+       bits=st.integers(0, 2**32 - 1))
+def test_fuzz_ucx_mutated_messages(ucx_victim, ucx_client, which, edits, tag_kind, bits):
+    c = ucx_client
+    msg = _mutate(_valid_messages(c)[which], edits)
+    if tag_kind == "ctrl":
+        tag = c.ctrl()
+    elif tag_kind == "data":
+        tag = c.ctrl() | (bits & 0xFFFF or 1) << 32 | bits
+    else:
+        tag = bits << 32 | bits
+    c.send(tag, msg or b"\0", wait=False)
+    c.progress(0.002)
+
+
+def test_fuzz_ucx_leaves_the_victim_serving(ucx_victim, ucx_client):
+    ucx_client.progress(0.5)
+    counts = ucx_victim.call("rejections")
+    assert sum(v for k, v in counts.items() if k.startswith("ucx:")) > 10, counts
+    expected = legit_write(KIND, DIMS, ucx_victim.metadata, enable=("ucx",), src=(4,), dst=(9,))
+    assert_victim_holds(ucx_victim, expected, (9,))
+    ucx_victim.call("poison")

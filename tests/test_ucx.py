@@ -340,14 +340,14 @@ def test_a_request_with_a_non_finite_or_out_of_range_ttl_is_refused(local, decod
     peer = agent.connect(decode.metadata)
     real = Protocol._encode
 
-    def forged(self, kind, header, ids, payload):
-        msg = real(self, kind, header, ids, payload)
-        if kind is Kind.REQ:  # re-encoded with the hostile value, as a peer could send it
-            from xfer.transports.ucx import wire
-            _, h, binary = wire.decode(msg)
-            h["ttl" if bad != -1.0 else "sent"] = bad if bad != -1.0 else float("nan")
-            return wire.encode(Kind.REQ, h, np.frombuffer(binary[:8 * h["n"]], "<i8"), binary[8 * h["n"]:])
-        return msg
+    def forged(self, conn, kind, header, ids, payload):
+        if kind is not Kind.REQ:
+            return real(self, conn, kind, header, ids, payload)
+        from xfer.transports.ucx import wire  # encoded with the hostile value, as a peer (with the key) could send it
+        now = time.monotonic()
+        header["ttl"], header["sent"] = max(header.pop("deadline") - now, 0.0), now
+        header["ttl" if bad != -1.0 else "sent"] = bad if bad != -1.0 else float("nan")
+        return wire.encode(Kind.REQ, header, ids, payload, conn.session)
     monkeypatch.setattr(Protocol, "_encode", forged)
     for op in ("read", "write"):
         t = getattr(agent, op)(peer, [1, 2], [1, 2], timeout=5)
@@ -379,28 +379,43 @@ def test_request_delay_is_judged_against_the_connections_least_delay():
 
 def test_control_messages_round_trip_and_malformed_ones_are_refused():
     """Control headers are binary for the fields a kind always carries, JSON for the rest (a
-    REQ's layout, the auth stamp); every value comes back with its type (the MAC is computed
-    over them); a short, truncated or unknown message is a PeerDisconnectedError, never a crash."""
+    REQ's layout); every value comes back with its type; the MAC and sequence number are checked
+    before anything past the prefix is decoded (a tampered, replayed or other-connection message
+    is an AuthenticationError); a short, truncated or unknown message is an InvalidArgumentError,
+    never a crash."""
+    from xfer.auth import Authenticator, Session
+    from xfer.errors import AuthenticationError, InvalidArgumentError
     from xfer.transports.ucx import wire as wire
 
+    key = Authenticator(b"k" * 16).session_key(b"ucx", "a", "b", b"1" * 16, b"2" * 16)
+    tx, rx = Session(key, outgoing=True), Session(key, outgoing=False)
     req = {"k": 7, "op": "write", "region": "kv é", "n": 3, "bpc": 2, "lpc": 4, "xid": 9, "ttl": 1.25,
-           "sent": 123.5, "tid": "1-ab", "from": "src", "order": "NHC", "lid": 1, "layout": {"x": [1]},
-           "mac": "00ff", "ts": 1.5, "nonce": "ab"}
-    msg = wire.encode(wire.Kind.REQ, req, np.arange(3), b"note")
-    kind, header, binary = wire.decode(msg)
+           "sent": 123.5, "tid": "1-ab", "from": "src", "order": "NHC", "lid": 1, "layout": {"x": [1]}}
+    msg = wire.encode(wire.Kind.REQ, req, np.arange(3), b"note", tx)
+    kind, header, binary = wire.open_message(msg, rx)
     assert kind is wire.Kind.REQ and header == req and [type(header[k]) for k in req] == [type(v) for v in req.values()]
     assert wire.split_ids(binary, 3)[0].tolist() == [0, 1, 2] and wire.split_ids(binary, 3)[1] == b"note"
     cancel = {"k": 2, "init": True, "why": "TransferTimeoutError"}
-    assert wire.decode(wire.encode(wire.Kind.CANCEL, cancel)) == (wire.Kind.CANCEL, cancel, b"")
-    assert wire.decode(wire.encode(wire.Kind.ACK, {"k": 2})) == (wire.Kind.ACK, {"k": 2}, b"")
-    assert len(wire.encode(wire.Kind.ACK, {"k": 2})) == 9 + 8  # no JSON at all
-    bad = [msg[:4], msg[:30], np.concatenate([np.array([99], np.uint8), msg[1:]]),  # short, truncated, kind 99
-           wire.encode(wire.Kind.ACK, {"k": 2, "x": 1})[:-3]]
-    lying = msg.copy()
-    lying[5:9] = np.frombuffer((9999).to_bytes(4, "big"), np.uint8)  # a header longer than the message
-    for m in bad + [lying]:
-        with pytest.raises(PeerDisconnectedError, match="malformed"):
-            wire.decode(m)
+    assert wire.open_message(wire.encode(wire.Kind.CANCEL, cancel, session=tx), rx) == (wire.Kind.CANCEL, cancel, b"")
+    ack = wire.encode(wire.Kind.ACK, {"k": 2}, session=tx)
+    assert wire.open_message(ack, rx) == (wire.Kind.ACK, {"k": 2}, b"")
+    assert len(ack) == wire.PREFIX_BYTES + 8  # no JSON at all
+    with pytest.raises(AuthenticationError, match="sequence number"):  # replayed on its own connection
+        wire.open_message(ack, rx)
+    other = Session(Authenticator(b"k" * 16).session_key(b"ucx", "a", "b", b"3" * 16, b"2" * 16), outgoing=False)
+    tampered = wire.encode(wire.Kind.ACK, {"k": 3}, session=tx)
+    tampered[-1] ^= 1
+    for m, session in ((wire.encode(wire.Kind.ACK, {"k": 4}, session=tx), other), (tampered, rx)):
+        with pytest.raises(AuthenticationError, match="MAC does not verify"):  # another connection's key; tampered
+            wire.open_message(m, session)
+
+    def sealed(kind: int, h: bytes, b: bytes = b"") -> np.ndarray:  # well MAC'd, whatever it says
+        seq, mac = tx.seal(kind, h, b)
+        return np.frombuffer(wire._MSG.pack(kind, len(h), len(b), seq, mac) + h + b, np.uint8)
+    for m in (msg[:4], msg[:30], sealed(99, b"x" * 8), sealed(int(wire.Kind.ACK), b"\0" * 8 + b"[" * 5000),
+              sealed(int(wire.Kind.REFUSE), b"\0" * 8 + b"\xff\xff")):
+        with pytest.raises(InvalidArgumentError):
+            wire.open_message(m, rx)
 
 
 def test_cancel_mid_transfer(env, slow):
@@ -875,14 +890,14 @@ def test_no_iov_send_on_an_endpoint_ucx_reported_closed():
 
     from xfer.transports.ucx.conn import Conn
     from xfer.transports.ucx.datapath import DataPath
-    from xfer.transports.ucx.protocol import Protocol
+    from xfer.transports.ucx.handshake import Gate
 
     deferred = []
     engine = SimpleNamespace(call_soon=lambda fn, *a: deferred.append((fn, a)), conns=SimpleNamespace(fail=None))
-    proto = Protocol.__new__(Protocol)
-    proto.e = engine
+    gate = Gate.__new__(Gate)
+    gate.e = engine
     conn = Conn(None, 3, outgoing=True, name="gone")
-    proto._ep_closed(conn)
+    gate._ep_closed(conn)
     assert conn.closed and not conn.dead and len(deferred) == 1  # failing the conn waits for the loop
     ended = []
     flow = SimpleNamespace(conn=conn, tid="t1", key=1, sends=0, sent=lambda slot, err: ended.append((slot, err)))

@@ -27,14 +27,11 @@ What this protects and what it does not is in docs/security.md.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import json
 import os
 import struct
-import threading
-import time
 
 from .errors import AuthenticationError
 
@@ -77,8 +74,6 @@ class Authenticator:
             raise AuthenticationError(f"the shared secret must be at least 16 bytes, got {len(secret)}")
         self._key = hashlib.sha256(b"xfer-auth-v1" + secret).digest()  # metadata
         self._ikm = hmac.digest(b"xfer-session-v2", secret, "sha256")  # sessions (never used as a MAC key)
-        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()  # stamp/check only
-        self._lock = threading.Lock()
 
     def _mac(self, *parts: bytes) -> str:
         h = hmac.new(self._key, digestmod=hashlib.sha256)
@@ -95,29 +90,6 @@ class Authenticator:
         prk = hmac.digest(n_init + n_acc, self._ikm, "sha256")  # extract
         info = b"xfer-v2 " + _field(channel) + _field(initiator.encode()) + _field(acceptor.encode())
         return hmac.digest(prk, info + b"\x01", "sha256")  # expand
-
-    # ---- stamped messages (the UCX wire until its sessions land; see ucx/protocol.py) ----------
-    def stamp(self, header: dict, payload: bytes = b"") -> dict:
-        out = dict(header, ts=time.time(), nonce=os.urandom(16).hex())
-        out["mac"] = self._mac(_canonical(out, "mac"), payload)
-        return out
-
-    def check(self, header: dict, payload: bytes = b"") -> None:
-        mac = header.get("mac")
-        if not isinstance(mac, str):
-            raise AuthenticationError("control message carries no MAC (peer has no shared secret?)")
-        if not hmac.compare_digest(mac, self._mac(_canonical(header, "mac"), payload)):
-            raise AuthenticationError("control message MAC does not verify (wrong secret or tampered message)")
-        ts, nonce = header.get("ts"), header.get("nonce")
-        if not isinstance(ts, (int, float)) or abs(time.time() - ts) > 60.0:
-            raise AuthenticationError(f"control message timestamp {ts!r} is more than 60 s from this host's clock")
-        now = time.monotonic()
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - 120.0:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                raise AuthenticationError("control message nonce was seen before (replay)")
-            self._seen[nonce] = now
 
     # ---- metadata ----------------------------------------------------------------------------
     def sign_metadata(self, d: dict) -> dict:

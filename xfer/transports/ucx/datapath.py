@@ -1,37 +1,38 @@
 """The UCX engine's data path: taking messages off the worker, and moving chunks.
 
 Receiving: nothing is pre-posted. One wildcard probe takes every message the worker holds, in
-arrival order: control messages go to the protocol at once (received into a buffer of their
-size); a data chunk is handed to its flow (by connection and xid) and waits there until a staging
-slot is free for it; a chunk of no live flow is received into a throw-away buffer (a dropped
-transfer's late chunks); a chunk whose REQ has not been processed yet (the initiator sends right
-behind its REQ) is held on its connection until the REQ is (``EARLY_MAX`` at most). With the raw
-back end (io_raw) a host flow's chunk may be received straight into its blocks, and a host flow's
-chunk sent straight from them.
+arrival order: control messages go to the protocol at once; a data chunk is matched to its flow
+by its tag (wire.py: the connection, the transfer's xid, and 32 bits keyed with the connection's
+tag key, checked against the chunk the flow expects next, ``Conn.chunk_bits``) and waits there
+until a staging slot is free for it. A chunk whose REQ has not been processed yet (the initiator
+sends right behind its REQ) is held on its connection until the REQ is, once its tag verified
+(``early_chunks`` at most, then the peer's connection is failed). Anything else is drained: a
+zero-length receive that UCX truncates consumes the message without a buffer of its size (a
+dropped transfer's late chunk quietly; a chunk whose tag does not verify, or a message for no
+open connection, logged). With the raw back end (io_raw) a host flow's chunk may be received
+straight into its blocks, and a host flow's chunk sent straight from them.
 
 Every call here runs on the engine thread; requests are tracked by the engine (``track``).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ...errors import PeerDisconnectedError, XferError
 from . import wire
 
-__all__ = ["DataPath", "PROBE_BATCH", "EARLY_MAX"]
+__all__ = ["DataPath", "PROBE_BATCH"]
 
 PROBE_BATCH = 256  # messages taken per loop turn
-
-# Chunks a connection may hold ahead of their REQs. A well-behaved initiator's early chunks are
-# those sent between a REQ and its processing here (one loop turn); far more is a broken or
-# hostile peer, whose connection is failed rather than buffered without bound.
-EARLY_MAX = 1 << 16
 
 
 class DataPath:
     def __init__(self, engine, io):
         self.e, self.io = engine, io
+        self.drained = 0  # messages drained unreceived (late, forged, oversized, unknown)
 
     # ---- arrivals ----------------------------------------------------------------------------
     def take(self) -> bool:
@@ -43,49 +44,93 @@ class DataPath:
                 break
             tag, msg = hit
             got += 1
-            if tag & 0xFFFFFFFF == 0:
-                proto.on_ctrl_probe(tag >> 32, msg)
-            else:
-                self.on_data(tag >> 32, (tag >> 8) & 0xFFFFFF, tag & 0xFF, msg)
+            try:
+                if (tag >> 32) & 0xFFFF == 0:
+                    proto.on_ctrl_probe(tag >> 48, msg)
+                else:
+                    self.on_data(tag >> 48, (tag >> 32) & 0xFFFF, tag & 0xFFFFFFFF, msg)
+            except Exception as exc:  # noqa: BLE001 - no message may stop the engine (a bug: logged)
+                proto.rejections("error", "handling a message of tag %#018x failed: %r", tag, exc)
+        proto.gate.expire(time.monotonic())
         return got > 0
 
-    def on_data(self, conn_id: int, xid: int, seq_byte: int, probe) -> None:
+    def on_data(self, conn_id: int, low: int, bits: int, probe) -> None:
+        conn = self.e.conns.get(conn_id)
+        if conn is None or conn.dead:
+            return self.drain(probe, "unknown", f"a {probe.length}-byte chunk for connection {conn_id}, which is not "
+                                                f"open here")
+        if conn.session is None:  # its hello (UCX's stream) is still on its way: checked once it is in
+            if conn.n_early >= self.e.settings.early_chunks:
+                return self.drain(probe, "early", f"a chunk for connection {conn_id} before its hello, past "
+                                                  f"early_chunks")
+            conn.early.setdefault(None, []).append((low, bits, probe))
+            conn.n_early += 1
+            return
+        xid = wire.full_xid(low, conn.xid)
         flow = self.e.flows.receiver(conn_id, xid)
-        if flow is None:
-            conn = self.e.conns.get(conn_id)
-            if conn is not None and not conn.outgoing and not conn.dead and wire.xid_after(xid, conn.xid):
-                conn.early.setdefault(xid, []).append((seq_byte, probe))  # its REQ is on its way
-                conn.n_early += 1
-                if conn.n_early > EARLY_MAX:
-                    self.e.conns.fail(conn, PeerDisconnectedError(
-                        f"peer {conn.name!r} sent more than {EARLY_MAX} chunks of transfers it never requested"))
-            else:
-                self.sink(probe)  # a dropped (or refused) transfer's late chunk
+        if flow is not None:
+            if bits != conn.chunk_bits(xid, flow.arrived, False):
+                return self.drain(probe, "forged", f"a chunk on connection {conn_id} ({conn.name!r}) for transfer "
+                                                   f"{flow.tid} whose tag does not verify (not from its peer)")
+            err = flow.arrive(probe, flow.arrived & 0xFF)
+            if err is not None:
+                self.sink(probe)
+                self.e.flows.fail(flow, err)
+                return
+            self.e.slots.want(flow)
             return
-        err = flow.arrive(probe, seq_byte)
-        if err is not None:
-            self.sink(probe)
-            self.e.flows.fail(flow, err)
+        if conn.outgoing or not wire.xid_after(xid, conn.xid):
+            self.sink(probe)  # a dropped (or refused) transfer's late chunk
             return
-        self.e.slots.want(flow)
+        held = conn.early.setdefault(xid, [])
+        if bits != conn.chunk_bits(xid, len(held), False):
+            if not held:
+                del conn.early[xid]
+            return self.drain(probe, "forged", f"a chunk on connection {conn_id} ({conn.name!r}) ahead of its "
+                                               f"request whose tag does not verify (not from its peer)")
+        held.append((bits, probe))  # its REQ is on its way
+        conn.n_early += 1
+        if conn.n_early > self.e.settings.early_chunks:
+            self.e.proto.gate.fail(conn, "early", f"it sent more than {self.e.settings.early_chunks} chunks ahead of "
+                                                  f"their requests (early_chunks)")
+
+    def after_hello(self, conn) -> None:
+        """The chunks that came before ``conn``'s hello, checked now that its session exists."""
+        early = conn.early.pop(None, ())
+        conn.n_early -= len(early)
+        for low, bits, probe in early:
+            self.on_data(conn.local_id, low, bits, probe)
 
     def adopt_early(self, conn, xid: int, flow) -> None:
-        """Chunks of ``xid`` that arrived before its REQ: to ``flow``, or discarded (flow None)."""
+        """Chunks of ``xid`` that arrived before its REQ: to ``flow``, or discarded (flow None; xid
+        None: those that came before the hello)."""
         early = conn.early.pop(xid, ())
         conn.n_early -= len(early)
-        for seq_byte, probe in early:
+        for *_, bits, probe in early:
             if flow is None or flow.dead:
                 self.sink(probe)
             else:
-                self.on_data(conn.local_id, xid, seq_byte, probe)
+                self.on_data(conn.local_id, xid & 0xFFFF, bits, probe)
+
+    def discard_ctrl(self, conn) -> None:
+        """A failed connection's queued control messages: those not received yet are drained."""
+        for probe, buf, _, _ in conn.ctrl_in:
+            if buf is None:
+                self.sink(probe)
+        conn.ctrl_in.clear()
 
     def sink(self, probe) -> None:
-        """Receive a probed message nobody wants into a throw-away buffer (UCX must consume it)."""
-        buf = np.empty(max(probe.length, 1), dtype=np.uint8)
+        """Consume a probed message nobody wants, unreceived (UCX truncates a zero-length receive)."""
+        self.drained += 1
         try:
-            self.recv(buf, probe, lambda err, b=buf: None)
+            self.e.track(self.io.drain(probe), lambda err: None)
         except Exception:  # its endpoint is gone: nothing to consume
             pass
+
+    def drain(self, probe, reason: str, why: str) -> None:
+        """``sink``, and log why (a rejection: rate-limited, counted by ``reason``)."""
+        self.e.proto.rejections(reason, "drained %s", why)
+        self.sink(probe)
 
     # ---- messages ----------------------------------------------------------------------------
     def send(self, conn, buf, tag: int, cb) -> None:
@@ -96,6 +141,20 @@ class DataPath:
         """Receive a probed message into ``buf`` (a numpy array or a CUDA tensor, contiguous)."""
         self.e.track(self.io.recv(buf, probe), cb)
 
+    def recv_now(self, buf, probe, cb) -> None:
+        """``recv``, calling ``cb`` right here when the receive completed at once (a small message:
+        a control message is then handled before the next message is probed)."""
+        req = self.io.recv(buf, probe)
+        if not req.completed:
+            self.e.track(req, cb)
+            return
+        try:
+            req.check_error()
+            err = None
+        except Exception as exc:  # UCX error of this request
+            err = exc
+        cb(err)
+
     # ---- chunks ------------------------------------------------------------------------------
     def send_chunk(self, flow, chunk, slot) -> None:
         """A gathered chunk from its slot."""
@@ -105,7 +164,7 @@ class DataPath:
             flow.sent(slot, flow.conn.error)
             return
         cb = lambda err: flow.sent(slot, self.ucx_error(flow, err))  # noqa: E731
-        self.send(flow.conn, wire_view, wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq),
+        self.send(flow.conn, wire_view, flow.conn.chunk_tag(flow.xid, chunk.seq),
                   device_req(flow, cb) if slot.device else cb)
 
     def send_iov(self, flow, chunk, slot, iov: np.ndarray) -> None:
@@ -116,7 +175,7 @@ class DataPath:
                 f"UCX endpoint to peer {flow.conn.name!r} closed; transfer {flow.tid or flow.key} reports no "
                 f"block complete"))
             return
-        tag = wire.data_tag(flow.conn.remote_id, flow.xid, chunk.seq)
+        tag = flow.conn.chunk_tag(flow.xid, chunk.seq)
         self.e.track(self.io.send_iov(flow.conn, iov, tag), lambda err: flow.sent(slot, self.ucx_error(flow, err)))
 
     def recv_chunk(self, flow, chunk, slot, probe) -> None:

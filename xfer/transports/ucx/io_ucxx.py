@@ -11,6 +11,8 @@ picks one when it starts; ``UcxTransport.info()`` names it (``io``).
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["UcxxIO"]
 
 
@@ -22,6 +24,7 @@ class UcxxIO:
         u = ucx.libucxx
         self._array, self._tag, self._worker = ucx.Array, u.UCXXTag, worker
         self._any_tag, self._any_mask = u.UCXXTag(0), u.UCXXTagMask(0)
+        self._scratch = np.zeros(1, dtype=np.uint8)
 
     def probe(self):
         """(sender tag, probe) of the worker's next message of any tag, removed from UCX's queue."""
@@ -37,3 +40,7 @@ class UcxxIO:
     def recv(self, buf, probe):
         """Receive the probed message into ``buf``."""
         return self._worker.tag_recv_with_handle(self._array(buf), probe)
+
+    def drain(self, probe):
+        """Consume the probed message unreceived: a one-byte receive, which UCX truncates."""
+        return self._worker.tag_recv_with_handle(self._array(self._scratch), probe)

@@ -28,6 +28,7 @@ from ...errors import TransportError
 from .datapath import DataPath
 from .io_raw import RawIO, iov_sender
 from .io_ucxx import UcxxIO
+from .listener import make_listener
 from .protocol import Protocol
 from .slots import Slots
 from .staging import Copier
@@ -124,7 +125,12 @@ class Engine:
         self.worker = u.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self._conn_requests: list = []
-        self.listener = u.UCXListener.create(self.worker, settings.port, self._conn_requests.append)
+        # bound to listen_host through raw libucp (ucxx's own listener takes every interface): listener.py
+        self.listener, why = make_listener(ucx, self.worker, iov_sender()[0], ctx.config.listen_host, settings.port,
+                                           self._conn_requests.append)
+        if why is not None:
+            self.log.warning("xfer ucx: the UCX listener of %s listens on every interface (port %d): %s; firewall it "
+                             "(docs/security.md)", ctx.agent_name, self.listener.port, why)
         self.port = self.listener.port
         self._epoll = select.epoll()
         # posts wake the loop through an eventfd: one 8-byte write, one read resets it (a pipe took
@@ -289,6 +295,7 @@ class Engine:
         fd, self._wake_w = self._wake_r, -1  # a late call_soon writes to no fd (not a reused one)
         os.close(fd)
         self._epoll.close()
+        self.listener.close()  # before the worker goes (raw endpoints and listener live on it)
         self.listener = None
         self.proto = None
         self.conns.clear()

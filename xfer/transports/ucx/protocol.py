@@ -1,5 +1,13 @@
-"""The UCX transport's control protocol, run on the engine thread: connecting and accepting,
-the hello, and the REQ / REFUSE / ACK / FIN / CANCEL / STOPPED messages (see wire).
+"""The UCX transport's control protocol, run on the engine thread: the REQ / REFUSE / ACK / FIN /
+CANCEL / STOPPED messages (see wire); connecting, accepting and the hello are handshake.py's.
+
+Every control message is checked before it is received and before it is decoded: its size from
+the probe (at most ``max_ctrl_bytes``, and only a PROOF before the peer proved the key: bigger
+ones are drained unreceived), then its MAC and sequence number against its connection's session
+(wire.open_message). A message that fails them may be anyone's (UCX does not say which endpoint
+it came on; its tag names a connection): it is dropped and logged, and its connection lives on.
+A connection is failed only for what its authenticated peer (a MAC made with the secret's key)
+sent wrong; every failure and drop is logged with its reason.
 
 A stop (tables.Flows): the initiator sends CANCEL(init) and the target answers STOPPED once its
 side settled (or its own CANCEL, REFUSE or ACK crossed it). The target checks a REQ before any
@@ -16,6 +24,7 @@ import numpy as np
 from ... import error_codec
 from ...errors import (AuthenticationError, InvalidArgumentError, LayoutMismatchError, PeerDisconnectedError,
                        RevokedError, TransferCancelledError, TransferTimeoutError, XferError)
+from .handshake import Gate
 from ...layout import KVLayout
 from ...transfer import Notification, Op
 from . import wire
@@ -27,6 +36,7 @@ from .staging import BlockCopier
 
 __all__ = ["Protocol"]
 
+CTRL_QUEUE = 64  # control messages of one connection landing at once (more are drained and logged)
 
 
 class Protocol:
@@ -36,71 +46,15 @@ class Protocol:
     def __init__(self, engine):
         self.e = engine
         self.ctx = engine.ctx
+        self.gate = Gate(engine, self)
+        self.rejections = self.gate.rejections
 
-    # ---- connections -------------------------------------------------------------------------
+    # ---- connections (handshake.py) ----------------------------------------------------------
     def connect(self, md) -> Conn:
-        conn = self.e.conns.outgoing(md.agent_id)
-        if conn is not None and not conn.dead:
-            return conn
-        info = md.transports.get("ucx") or {}
-        address, port = info.get("address"), info.get("port")
-        try:
-            ep = self.e.u.UCXEndpoint.create(self.e.worker, address, int(port), True)
-        except Exception as exc:
-            raise PeerDisconnectedError(f"cannot reach the UCX listener of {md.name!r} at {address}:{port}: {exc}") \
-                from None
-        conn = Conn(ep, self.e.conns.new_id(), outgoing=True, agent_id=md.agent_id, name=md.name,
-                    address=f"{address}:{port}")
-        self.e.conns.add(conn)
-        self._hello(conn)
-        return conn
+        return self.gate.connect(md)
 
     def accept(self, conn_request) -> None:
-        try:
-            ep = self.e.listener.create_endpoint_from_conn_request(conn_request, True)
-        except Exception as exc:  # the peer went away while connecting
-            self.e.log.warning("xfer ucx: could not accept a connection: %s", exc)
-            return
-        conn = Conn(ep, self.e.conns.new_id(), outgoing=False)
-        self.e.conns.add(conn)
-        self._hello(conn)
-
-    def _hello(self, conn: Conn) -> None:
-        conn.ep.set_close_callback(self._ep_closed, cb_args=(conn,))
-        conn.hello_out = wire.hello(conn.local_id, self.ctx.agent_id, self.ctx.agent_name)
-        self.e.track(conn.ep.stream_send(self.e.ucx.Array(conn.hello_out)), lambda err: self._hello_done(conn, err))
-        self.e.track(conn.ep.stream_recv(self.e.ucx.Array(conn.hello_in)), lambda err: self._hello_in(conn, err))
-
-    def _ep_closed(self, conn: Conn) -> None:  # called by UCX inside progress: defer
-        conn.closed = True  # at once: no raw (IOV) send may use the endpoint's handle from now on
-        self.e.call_soon(self.e.conns.fail, conn, PeerDisconnectedError(
-            f"UCX endpoint to peer {conn.name or '?'} at {conn.address or '?'} failed (peer died or the link "
-            f"is down); its transfers report no block complete"))
-
-    def _hello_done(self, conn: Conn, err) -> None:
-        if err is not None:
-            self.e.conns.fail(conn, PeerDisconnectedError(
-                f"could not connect to {conn.name or 'peer'} at {conn.address or '?'} over UCX: {err}"))
-
-    def _hello_in(self, conn: Conn, err) -> None:
-        if conn.dead:
-            return
-        if err is not None:
-            return self._hello_done(conn, err)
-        try:
-            conn.on_hello()
-        except XferError as exc:
-            self.e.conns.fail(conn, exc)
-            return
-        waiting, conn.waiting = conn.waiting, []
-        for msg in waiting:
-            if msg[0] is wire.Kind.REQ:
-                flow = self.e.flows.initiator(msg[1].get("k"))
-                if flow is not None:
-                    flow.requested = True
-            self._send(conn, self._encode(*msg))
-        for flow in list(conn.flows):  # their chunks can be tagged now
-            self.e.slots.want(flow)
+        self.gate.accept(conn_request)
 
     def close(self) -> None:
         self.e.conns.fail_all(PeerDisconnectedError("transport closed"))
@@ -108,18 +62,23 @@ class Protocol:
     # ---- control messages --------------------------------------------------------------------
     def send_ctrl(self, conn: Conn, kind: wire.Kind, header: dict, ids=None, payload: bytes = b"") -> None:
         if conn.ready:
-            self._send(conn, self._encode(kind, header, ids, payload))
+            self._send(conn, self._encode(conn, kind, header, ids, payload))
         else:  # encoded once the hello round is over: a REQ's send time is when it leaves
             conn.waiting.append((kind, header, ids, payload))
 
-    def _encode(self, kind: wire.Kind, header: dict, ids, payload: bytes) -> np.ndarray:
+    def send_waiting(self, conn: Conn, msg: tuple) -> None:
+        """A message that waited for the hello round (after our PROOF)."""
+        if msg[0] is wire.Kind.REQ:
+            flow = self.e.flows.initiator(msg[1].get("k"))
+            if flow is not None:
+                flow.requested = True
+        self._send(conn, self._encode(conn, *msg))
+
+    def _encode(self, conn: Conn, kind: wire.Kind, header: dict, ids, payload: bytes) -> np.ndarray:
         if kind is wire.Kind.REQ:  # time left and send time as it leaves (the target judges how long it
             now = time.monotonic()  # waited: Conn.req_delay); the deadline itself means nothing there
             header["ttl"], header["sent"] = max(header.pop("deadline") - now, 0.0), now
-        if self.ctx.auth is not None:  # the MAC covers the header and the binary part (ids, payload)
-            binary = (b"" if ids is None else np.ascontiguousarray(ids, dtype="<i8").tobytes()) + payload
-            header = self.ctx.auth.stamp(header, binary)
-        return wire.encode(kind, header, ids, payload)
+        return wire.encode(kind, header, ids, payload, conn.session)
 
     def _send(self, conn: Conn, msg: np.ndarray) -> None:
         def sent(err, msg=msg):  # holds ``msg`` until UCX is done with it
@@ -128,40 +87,93 @@ class Protocol:
         self.e.data.send(conn, msg, wire.ctrl_tag(conn.remote_id), sent)
 
     def on_ctrl_probe(self, conn_id: int, probe) -> None:
-        """A probed control message (the engine's probe takes every message): receive it, and
-        handle it once it and every control message of its connection probed before it landed."""
-        buf = np.empty(max(probe.length, 1), dtype=np.uint8)
-        conn = self.e.conns.get(conn_id)
-        entry = [buf[:probe.length], None, False]
-        if conn is not None and not conn.dead:
-            conn.ctrl_in.append(entry)
-        self.e.data.recv(buf, probe, lambda err: self._ctrl_landed(conn_id, entry, err))
-
-    def _ctrl_landed(self, conn_id: int, entry: list, err) -> None:
-        entry[1], entry[2] = err, True
+        """A probed control message (the engine's probe takes every message): queued on its
+        connection, received once its size passed (``pump``) and handled in arrival order."""
         conn = self.e.conns.get(conn_id)
         if conn is None or conn.dead:
-            return
-        queue = conn.ctrl_in
-        while queue and queue[0][2]:
-            buf, error, _ = queue.popleft()
-            self._on_ctrl(conn_id, buf, error)
+            return self.e.data.drain(probe, "unknown", f"a {probe.length}-byte control message for connection "
+                                                       f"{conn_id}, which is not open here")
+        if len(conn.ctrl_in) >= CTRL_QUEUE:
+            return self.e.data.drain(probe, "queue", f"a control message on connection {conn_id} "
+                                                     f"({conn.name or '?'} at {conn.address or '?'}): {CTRL_QUEUE} "
+                                                     f"already waiting")
+        conn.ctrl_in.append([probe, None, False, None])  # probe, buffer once received, landed, error
+        self.pump(conn)
 
-    def _on_ctrl(self, conn_id: int, buf: np.ndarray, err) -> None:
-        conn = self.e.conns.get(conn_id)
-        if conn is None or conn.dead or err is not None:
+    def pump(self, conn: Conn) -> None:
+        """Receive and handle ``conn``'s queued control messages in order, as far as they may go: none
+        before its hello arrived (no session yet), only the first (its PROOF) before that verified;
+        each one's size checked from its probe before a buffer exists (oversized: drained)."""
+        if conn.pumping:  # a receive that completed at once calls back in here: the loop below goes on
+            return
+        conn.pumping = True
+        try:
+            queue, moved = conn.ctrl_in, True
+            while moved and not conn.dead:
+                moved = False
+                while queue and queue[0][2]:
+                    _, buf, _, err = queue.popleft()
+                    if err is None:
+                        self._on_ctrl(conn, buf)
+                    moved = True
+                for i, entry in enumerate(queue):
+                    if conn.session is None or (not conn.authed and i > 0):
+                        break
+                    if entry[1] is not None:
+                        continue
+                    probe = entry[0]
+                    limit = self.e.settings.max_ctrl_bytes if conn.authed else wire.PREFIX_BYTES
+                    if not wire.PREFIX_BYTES <= probe.length <= limit:
+                        del queue[i]
+                        self.e.data.drain(probe, "size", f"a {probe.length}-byte control message from "
+                                          f"{conn.name or '?'} at {conn.address or '?'}: over {limit} bytes ("
+                                          + ("max_ctrl_bytes)" if conn.authed else "before its PROOF only the "
+                                                                                    "PROOF is taken)"))
+                    else:
+                        entry[1] = np.empty(probe.length, dtype=np.uint8)
+                        self.e.data.recv_now(entry[1], probe, lambda err, e=entry: self._landed(conn, e, err))
+                    moved = True
+                    break
+        finally:
+            conn.pumping = False
+
+    def _landed(self, conn: Conn, entry: list, err) -> None:
+        entry[2], entry[3] = True, err
+        self.pump(conn)
+
+    def _on_ctrl(self, conn: Conn, buf: np.ndarray) -> None:
+        try:
+            kind, header, binary = wire.open_message(buf, conn.session)
+        except AuthenticationError as exc:  # anyone's: dropped, the connection lives on
+            self.rejections("forged", "dropped a control message on connection %d (%s at %s): %s", conn.local_id,
+                            conn.name or "?", conn.address or "?", exc)
+            return
+        except XferError as exc:  # MAC'd (by the secret's key: the peer itself) or no secret at all
+            return self._malformed(conn, str(exc))
+        if not conn.authed:
+            if kind is wire.Kind.PROOF:
+                conn.authed = True
+            else:
+                self.rejections("unauthenticated", "dropped a %s from %r at %s before its PROOF", kind.name,
+                                conn.name or "?", conn.address or "?")
             return
         try:
-            kind, header, binary = wire.decode(buf)
-            if self.ctx.auth is not None:
-                self.ctx.auth.check(header, binary)
-        except AuthenticationError as exc:
-            self.ctx.log.warning("ucx: rejected peer %r at %s: %s", conn.name, conn.address or "?", exc)
-            self.e.conns.fail(conn, exc)
-            return
-        except (XferError, ValueError) as exc:
-            self.e.conns.fail(conn, PeerDisconnectedError(f"peer {conn.name!r} sent a bad control message: {exc}"))
-            return
+            self._dispatch(conn, kind, header, binary)
+        except Exception as exc:  # noqa: BLE001 - whatever a message makes happen, the engine goes on
+            self._malformed(conn, f"{kind.name} failed here: {exc!r}"[:300])
+
+    def _malformed(self, conn: Conn, why: str) -> None:
+        """A message that passed its MAC but not its checks: from the peer itself when the key is the
+        secret's (its connection is failed), from anyone without a secret (dropped)."""
+        if conn.keyed:
+            self.gate.fail(conn, "malformed", f"it sent a bad control message: {why}")
+        else:
+            self.rejections("malformed", "dropped a bad control message from %r at %s: %s", conn.name or "?",
+                            conn.address or "?", why)
+
+    def _dispatch(self, conn: Conn, kind: wire.Kind, header: dict, binary: bytes) -> None:
+        if kind is wire.Kind.PROOF:
+            return  # a second one: nothing to do
         if kind is wire.Kind.REQ:
             return self._on_req(conn, header, binary)
         if kind is wire.Kind.FIN:
@@ -219,6 +231,10 @@ class Protocol:
                 min_chunks = st.min_chunks_in_place if moves_in_place else st.min_chunks
             bpc, lpc = plan_chunks(job.local.layout, n, min(pool.nbytes, peer_slot), min_chunks, st.min_chunk_bytes)
             chunks = chunk_list(job.local.layout, n, bpc, lpc)
+            if 8 * n + len(job.notify) + 4096 > st.max_ctrl_bytes:  # 4 KiB: the header, its layout included
+                raise InvalidArgumentError(f"a UCX request for {n} blocks with a {len(job.notify)}-byte notification "
+                                           f"would exceed max_ctrl_bytes={st.max_ctrl_bytes} (XFER_UCX_MAX_CTRL_BYTES)"
+                                           f": split the transfer")
         except XferError as exc:
             t.fail(exc)
             return
@@ -260,7 +276,7 @@ class Protocol:
     # ---- target ------------------------------------------------------------------------------
     def _on_req(self, conn: Conn, h: dict, binary: bytes) -> None:
         key, xid = h.get("k"), h.get("xid")
-        fresh = isinstance(xid, int) and 0 < xid < wire.XID_MOD and wire.xid_after(xid, conn.xid)
+        fresh = isinstance(xid, int) and 0 < xid < wire.XID_MOD and xid & 0xFFFF and wire.xid_after(xid, conn.xid)
         if fresh:
             conn.xid = xid  # chunks of this xid and older ones no longer wait for a REQ
         now = time.monotonic()

@@ -45,7 +45,11 @@ class Connections:
         return len(self._by_id)
 
     def new_id(self) -> int:
-        return next(self._ids)
+        """An id no open connection has, 1 .. wire.CONN_MAX (16 bits of a tag)."""
+        while True:
+            i = (next(self._ids) - 1) % wire.CONN_MAX + 1
+            if i not in self._by_id:
+                return i
 
     def add(self, conn: Conn) -> None:
         self._by_id[conn.local_id] = conn
@@ -76,7 +80,7 @@ class Connections:
         for xid in list(conn.early):
             self._e.data.adopt_early(conn, xid, None)
         conn.waiting = []
-        conn.ctrl_in.clear()
+        self._e.data.discard_ctrl(conn)  # its queued control messages (unreceived ones drained)
         if conn.ep is not None and conn.ep.alive:  # UCX closes a failed endpoint itself (closing it twice crashes)
             try:
                 conn.ep.close()

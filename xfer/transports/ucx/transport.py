@@ -111,7 +111,8 @@ class UcxTransport(Transport):
                 # never): the initiator plans fewer chunks where either side does (protocol)
                 "iov_min_bytes": self.settings.iov_min_bytes if e.io.sends_in_place else None,
                 "iov_recv_min_bytes": self.settings.iov_recv_min_bytes if e.io.receives_in_place else None,
-                "io": e.io.name}  # the I/O back end, chosen once (io_raw or io_ucxx)
+                "io": e.io.name,  # the I/O back end, chosen once (io_raw or io_ucxx)
+                "bind": e.listener.ip}  # the address the listener is bound to (listener.py)
 
     def export_region(self, region: LocalRegion) -> dict | None:
         return {"device": str(region.device)}
