@@ -478,6 +478,33 @@ def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(
     assert len(pair.b._grants) == 0  # every grant ended with its notice
 
 
+def test_a_reads_stream_copy_launches_on_the_posting_thread_when_nothing_waits(pair, monkeypatch):
+    """A READ waits for no grant: its copy queued on a stream is launched by the posting thread when
+    nothing posted earlier waits to launch (one thread hand-off less); behind a queued WRITE it goes
+    through the worker, in posting order."""
+    from xfer.transports.onesided import transport as onesided
+    from xfer.transports.onesided.local import LocalTransport
+
+    launched, real_launch = [], onesided.OneSidedTransport._launch
+
+    def launch(self, job):
+        launched.append((job.notify, threading.current_thread().name))
+        return real_launch(self, job)
+
+    monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
+    # CPU tensors with a "stream": the copy still runs on the host, at launch
+    monkeypatch.setattr(LocalTransport, "stream", lambda self, job: object())
+    me = threading.current_thread().name
+    pair.a.read(pair.peer, [1], [2], notify=b"inline").wait()
+    w = pair.a.write(pair.peer, [3], [4], notify=b"write")
+    r = pair.a.read(pair.peer, [5], [6], notify=b"behind")
+    w.wait()
+    r.wait()
+    assert launched[0] == (b"inline", me) and [n for n, _ in launched] == [b"inline", b"write", b"behind"]
+    assert launched[1][1] != me
+    assert_blocks_equal(pair.lb, pair.tb, [1, 5], pair.la, pair.ta, [2, 6])
+
+
 def test_a_transfer_ends_once_through_complete_or_fail_and_the_exception_names_its_state():
     """Transports end a transfer with ``complete()`` or ``fail(exc)``; ``state_for`` is the one map
     from an exception to a state (deadline TIMED_OUT, cancel or agent closed CANCELLED, anything

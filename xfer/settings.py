@@ -77,8 +77,9 @@ KNOBS: tuple[Knob, ...] = (
          "Triton's own variable: copies between CPU tensors run the Triton kernel in its interpreter (how CI "
          "tests the kernel) rather than the torch reference"),
     Knob("XFER_LAUNCH_INLINE", "onesided", "launch_inline", "bool", True, "",
-         "ipc/local/NVSHMEM-direct: a stream copy is launched by the posting thread when nothing posted earlier "
-         "waits (saves a thread hand-off); off: the worker thread launches every copy"),
+         "ipc/local/NVSHMEM-direct: a READ's stream copy is launched by the posting thread when nothing posted "
+         "earlier waits (saves a thread hand-off; a WRITE waits for its grant on the worker); off: the worker "
+         "thread launches every copy"),
     Knob("XFER_UCX_CHUNK_BYTES", "ucx", "chunk_bytes", "bytes", 16 << 20, "bytes",
          "host staging slot and wire message size; published to peers, who plan with the smaller side's"),
     Knob("XFER_UCX_DEPTH", "ucx", "depth", "int", 4, "chunks",

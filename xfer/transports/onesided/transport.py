@@ -61,7 +61,10 @@ class OneSidedTransport(Transport):
         # the local region (its state), under (this kind, peer agent id, peer region, is a write)
         self._key = self.kind.value
         self._closed = False
-        self._order = threading.Lock()  # a post and close agree on whether the transport still takes jobs
+        self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
+        self._queued = 0  # jobs handed to the worker and not launched (or ended) yet (under _order)
+        # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread
+        self._inline = ctx.config.settings.onesided.launch_inline
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
         self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
         self._grace = ctx.config.settings.fence.grace_s
@@ -88,6 +91,17 @@ class OneSidedTransport(Transport):
             if self._closed:
                 job.transfer.fail(TransportError(f"{self.kind.value} transport is closed"))
                 return
+            # a READ waits for no grant: its stream copy is launched here when nothing posted earlier
+            # waits to launch (a launch is asynchronous; a hand-off to the worker costs a wake-up)
+            if self._inline and job.op is Op.READ and self._queued == 0 and self._launches_async(job):
+                t = job.transfer
+                if t.cancel_requested:
+                    t.fail(t.error)
+                    return
+                t.begin()
+                self._start(job)
+                return
+            self._queued += 1
             self._jobs.put(job)
 
     def _launches_async(self, job: Job) -> bool:
@@ -154,8 +168,17 @@ class OneSidedTransport(Transport):
             if batch[-1] is None:
                 batch.pop()
                 last = True
-            for job in self._granted(batch):
-                self._start(job)
+            granted = {id(j) for j in self._granted(batch)}
+            for job in batch:  # in posting order; a stream launch under _order, as a posting thread's
+                if id(job) in granted and self._launches_async(job):
+                    with self._order:
+                        self._start(job)
+                        self._queued -= 1
+                    continue
+                if id(job) in granted:
+                    self._start(job)  # a host copy may take long: posts queue behind it, not waiting on it
+                with self._order:
+                    self._queued -= 1
             if last:
                 self._done.put(None)
                 return
