@@ -259,7 +259,7 @@ class Agent:
                 continue
             transport = self.transports.get(kind)
             if transport is None:
-                reason = self.unavailable[kind]
+                reason = self.unavailable[kind].removeprefix(f"{kind.value}: ")
             elif kind.value not in handle.metadata.transports:
                 reason = f"peer {handle.name!r} does not offer {kind.value}"
             else:

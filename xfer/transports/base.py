@@ -108,14 +108,26 @@ class Job:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which transport carries a route and why; ``rejected`` says why each other one did not."""
+    """Which transport carries a route and why; ``rejected`` says why each transport preferred over
+    it did not (kind value -> reason, in preference order).
+
+    Printed, it is one line: the transport, then each refusal with its reason, e.g. ``ucx (local
+    refused: peer region 'kv' of 'decode-0' is not in shared memory (...); ipc refused: no CUDA
+    device in this process; ...)``; the reason it was chosen when nothing before it was refused
+    (``local (first of [...] able to serve this pair)``, ``ucx (pinned by config)``).
+    """
 
     kind: TransportKind
     reason: str
     rejected: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"{self.kind.value} ({self.reason})"
+        if not self.rejected:
+            return f"{self.kind.value} ({self.reason})"
+        return f"{self.kind.value} (" + "; ".join(f"{k} refused: {r}" for k, r in self.rejected.items()) + ")"
+
+    def __repr__(self) -> str:
+        return f"Selection({self})"
 
 
 @dataclass
