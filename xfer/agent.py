@@ -30,7 +30,7 @@ from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 from .transports.grants import Grants
-from .plan import Plan as _Plan, host_id
+from .plan import Plan as _Plan, host_id, slow_route
 
 __all__ = ["Agent"]
 
@@ -62,6 +62,7 @@ class Agent:
         # (peer, region, peer_region, is a write) -> what a post needs, its regions resolved, layouts
         # found compatible and route chosen once; emptied by register, deregister, connect, disconnect
         self._plans: dict[tuple, _Plan] = {}
+        self._slow_warned: set[str] = set()  # agent ids of the peers a slow-route warning named
         self._inflight: set[Transfer] = set()
         self._prune_at = 64
         here = host_id()
@@ -224,7 +225,11 @@ class Agent:
 
     def route(self, peer: str, op: Op | str = Op.WRITE, *, region: str | None = None,
               peer_region: str | None = None) -> Selection:
-        """Which transport carries ``op`` between the two regions, and why (the choice is cached)."""
+        """Which transport carries ``op`` between the two regions, and why (the choice is cached).
+
+        Printed, the :class:`Selection` names the transport and why each one preferred over it was
+        refused. Two agents of one host that only ``ucx`` can serve log one warning per peer
+        (logger ``xfer.agent``) with the refusals and the fix."""
         self._check_open()
         local, handle, record = self._resolve(peer, region, peer_region)
         return self._select(local, handle, record, Op(op))
@@ -272,6 +277,7 @@ class Agent:
                 log.info("xfer route %s:%s -> %s:%s (%s): %s", self.name, local.name, handle.name, record.name,
                          op.value, sel)
                 self._routes[key] = sel
+                self._warn_if_slow(local, handle, record, sel)
                 return sel
             rejected[kind.value] = reason
         if pinned is not None:
@@ -279,6 +285,20 @@ class Agent:
                                             f"-> {handle.name}:{record.name}: {rejected[pinned.value]}")
         raise TransportUnavailableError(f"no transport can serve {self.name}:{local.name} -> {handle.name}:"
                                         f"{record.name}: " + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
+
+    def _warn_if_slow(self, local: LocalRegion, handle: PeerHandle, record: RegionRecord, sel: Selection) -> None:
+        """One warning per peer (not per region: an engine registers one region per layer) when
+        two agents of one host got ``ucx`` because the faster paths refused them; none where this
+        config left out both of them (``AgentConfig.enable``)."""
+        enable = self.config.enable
+        if enable is not None and TransportKind.LOCAL not in enable and TransportKind.IPC not in enable:
+            return
+        if handle.metadata.agent_id in self._slow_warned:
+            return
+        line = slow_route(self.name, self._host_id, local, handle, record, sel)
+        if line is not None:
+            self._slow_warned.add(handle.metadata.agent_id)
+            log.warning("xfer slow route: %s (logged once per peer)", line)
 
     # ---- transfers ---------------------------------------------------------------------------
     def write(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,

@@ -1,4 +1,5 @@
-"""What the agent resolves once per route: this host's identity, and a post's plan."""
+"""What the agent resolves once per route: this host's identity, a post's plan, and the warning
+for a pair of one host on a cross-host transport."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from dataclasses import dataclass
 
 from .layout import KVLayout
 from .metadata import RegionRecord
-from .transports.base import LocalRegion, PeerHandle, Transport
+from .transports import TransportKind
+from .transports.base import LocalRegion, PeerHandle, Selection, Transport
 
-__all__ = ["Plan", "host_id"]
+__all__ = ["Plan", "host_id", "slow_route"]
 
 
 def host_id() -> str:
@@ -35,3 +37,23 @@ class Plan:
     kind: str  # the transport's name, the transfer's first ``path``
     cuda: bool  # the local region is CUDA memory (a post records the caller's stream)
     block_bytes: int  # bytes of one block, all layers and K/V
+
+
+def slow_route(agent: str, here: str, local: LocalRegion, handle: PeerHandle, record: RegionRecord,
+               sel: Selection) -> str | None:
+    """The one-line warning for two agents of one host (``here``: this agent's host id) that a
+    cross-host transport carries because every faster one refused them: the route, each refusal
+    and the fix. None when no warning is due: another transport carries it, the peer is on
+    another host, or the transport was pinned (nothing was refused)."""
+    md = handle.metadata
+    if sel.kind is not TransportKind.UCX or md.host_id != here or not sel.rejected:
+        return None
+    refused = "; ".join(f"{k} refused: {r}" for k, r in sel.rejected.items())
+    if local.device.type == "cpu" and record.device == "cpu":
+        fix = ("allocate the caches in shared memory, in both processes: xfer.shared_empty, or "
+               "make_kv_cache(..., empty=xfer.shared_empty)")
+    else:
+        fix = ("what the refusals name: CUDA memory both processes can reach (ipc), or host memory from "
+               "xfer.shared_empty / make_kv_cache(..., empty=xfer.shared_empty) on both sides (local)")
+    return (f"{agent}:{local.name} -> {md.name}:{record.name} goes over ucx (network stack, far slower than a "
+            f"memory copy) although both agents are on host {md.hostname!r}: {refused}. Fix: {fix}")
