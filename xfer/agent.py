@@ -20,8 +20,8 @@ from .control import ControlClient, ControlServer
 from .error_codec import error_reply
 from .guard import warn_if_exposed
 from .inbox import Inbox
-from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LengthMismatchError, MetadataError,
-                     NotRegisteredError, PeerNotConnectedError, XferError, TransportUnavailableError)
+from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LayoutMismatchError, LengthMismatchError,
+                     MetadataError, NotRegisteredError, PeerNotConnectedError, XferError, TransportUnavailableError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
@@ -30,7 +30,7 @@ from .transports import PREFERENCE, TransportKind, load
 from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 from .transports.grants import Grants
-from .plan import Plan as _Plan, host_id, slow_route
+from .plan import Plan as _Plan, check_pair, host_id, slow_route, unservable
 
 __all__ = ["Agent"]
 
@@ -162,7 +162,13 @@ class Agent:
             transports={k.value: t.info() for k, t in self.transports.items()}, regions=regions))
 
     def connect(self, peer_metadata: bytes) -> str:
-        """Connect to a peer (re-connecting refreshes its metadata); returns its name."""
+        """Connect to a peer (re-connecting refreshes its metadata); returns its name.
+
+        Raises :class:`LayoutMismatchError` (before any byte moves, the peer left unconnected) when
+        no region registered here can ever exchange blocks with any region the peer registered:
+        every pair differs in dtype, K/V count, block size or head dim (``xfer.plan.FIXED_FIELDS``).
+        Pairs that differ only in layers or heads pass here (a one-layer or TP-heads view may be
+        registered later); ``route()`` and the first post raise for such a pair."""
         self._check_open()
         md = md_codec.decode(peer_metadata, auth=self._auth)
         if md.agent_id == self.agent_id:
@@ -181,6 +187,11 @@ class Agent:
             client.close()
             raise MetadataError(f"stale metadata for {md.name!r}: {md.control[0]}:{md.control[1]} is served by "
                                 f"agent {reply.get('agent_id')!r}, the metadata names {md.agent_id!r}")
+        with self._lock:
+            why = unservable(self.name, dict(self._regions), md.name, md.regions)
+        if why is not None:
+            client.close()
+            raise LayoutMismatchError(why)
         with self._lock:
             self._check_open()
             old = self._clients.pop(md.name, None)
@@ -228,10 +239,13 @@ class Agent:
         """Which transport carries ``op`` between the two regions, and why (the choice is cached).
 
         Printed, the :class:`Selection` names the transport and why each one preferred over it was
-        refused. Two agents of one host that only ``ucx`` can serve log one warning per peer
-        (logger ``xfer.agent``) with the refusals and the fix."""
+        refused. Raises :class:`LayoutMismatchError` when the two regions' layouts cannot exchange
+        blocks (the check every post makes), :class:`TransportUnavailableError` when no transport
+        can serve them. Two agents of one host that only ``ucx`` can serve log one warning per
+        peer (logger ``xfer.agent``) with the refusals and the fix."""
         self._check_open()
         local, handle, record = self._resolve(peer, region, peer_region)
+        check_pair(self.name, local, handle.name, record)
         return self._select(local, handle, record, Op(op))
 
     def _resolve(self, peer: str, region: str | None, peer_region: str | None):
@@ -372,8 +386,8 @@ class Agent:
         """Resolve a post's regions, check their layouts and choose its route; cached (``_plans``)
         once it all passed: a post to a known pair only checks its block ids."""
         local, handle, record = self._resolve(peer, region, peer_region)
+        check_pair(self.name, local, handle.name, record)
         src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
-        src_layout.check_compatible(dst_layout, what="peer" if op is Op.WRITE else "local")
         selection = self._select(local, handle, record, op)
         plan = _Plan(local=local, handle=handle, record=record, src_layout=src_layout, dst_layout=dst_layout,
                      transport=self.transports[selection.kind], kind=selection.kind.value,

@@ -221,14 +221,16 @@ class KVLayout:
         blob = json.dumps(self.fingerprint(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def check_compatible(self, other: "KVLayout", *, what: str = "peer") -> None:
-        """Raise :class:`LayoutMismatchError` naming the first field where the two differ."""
+    def check_compatible(self, other: "KVLayout", *, what: str = "peer",
+                         fields: Sequence[str] = _FINGERPRINT_FIELDS) -> None:
+        """Raise :class:`LayoutMismatchError` naming the first field where the two differ (of
+        ``fields``, fingerprint fields: all of them unless told)."""
         if other is self:  # every post checks its pair: the same object needs no comparison
             return
         mine, theirs = self.fingerprint(), other.fingerprint()
         if mine == theirs:
             return
-        for field in _FINGERPRINT_FIELDS:
+        for field in fields:
             if mine[field] != theirs[field]:
                 raise LayoutMismatchError(
                     f"layouts differ in {field}: local {self.name} has {mine[field]!r}, "

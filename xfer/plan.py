@@ -1,17 +1,25 @@
-"""What the agent resolves once per route: this host's identity, a post's plan, and the warning
-for a pair of one host on a cross-host transport."""
+"""What the agent resolves once per route: this host's identity, a post's plan, whether two
+regions can exchange blocks, and the warning for a pair of one host on a cross-host transport."""
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Mapping
 
+from .errors import LayoutMismatchError
 from .layout import KVLayout
 from .metadata import RegionRecord
 from .transports import TransportKind
 from .transports.base import LocalRegion, PeerHandle, Selection, Transport
 
-__all__ = ["Plan", "host_id", "slow_route"]
+__all__ = ["Plan", "host_id", "check_pair", "unservable", "slow_route", "FIXED_FIELDS"]
+
+# The layout fields every view of a region keeps, whatever view of it an agent registers later:
+# one layer of a cross-layer cache changes num_layers, a TP rank's share of the heads num_heads
+# (xfer.engine's KVLink.ensure_heads registers those, SGLang's prefill after it connected), but
+# no view changes these. Regions that differ in one of them can never exchange blocks.
+FIXED_FIELDS = ("num_kv", "block_size", "head_dim", "dtype")
 
 
 def host_id() -> str:
@@ -37,6 +45,37 @@ class Plan:
     kind: str  # the transport's name, the transfer's first ``path``
     cuda: bool  # the local region is CUDA memory (a post records the caller's stream)
     block_bytes: int  # bytes of one block, all layers and K/V
+
+
+def check_pair(agent: str, local: LocalRegion, peer: str, record: RegionRecord) -> None:
+    """Raise :class:`LayoutMismatchError` when ``local`` and the peer's ``record`` cannot exchange
+    blocks (``KVLayout.check_compatible``, the check every post's plan makes; the fingerprint is
+    symmetric, so one check serves a WRITE and a READ), naming both regions and the first field
+    that differs with both values."""
+    try:
+        local.layout.check_compatible(record.layout, what="peer")
+    except LayoutMismatchError as exc:
+        raise LayoutMismatchError(f"{agent}:{local.name} -> {peer}:{record.name}: {exc}") from None
+
+
+def unservable(agent: str, regions: Mapping[str, LocalRegion], peer: str,
+               records: Mapping[str, RegionRecord]) -> str | None:
+    """Why no region of ``agent`` can ever exchange blocks with any region ``peer`` registered, or
+    None when a pair may (or one side registered nothing yet). Only :data:`FIXED_FIELDS` count:
+    a pair that differs in its layers or heads alone may be served by a view registered later."""
+    if not regions or not records:
+        return None
+    why = []
+    for record in records.values():
+        for local in regions.values():
+            try:
+                local.layout.check_compatible(record.layout, what="peer", fields=FIXED_FIELDS)
+            except LayoutMismatchError as exc:
+                why.append(f"{agent}:{local.name} -> {peer}:{record.name}: {exc}")
+            else:
+                return None
+    shown = "; ".join(why[:4]) + (f"; and {len(why) - 4} more pairs" if len(why) > 4 else "")
+    return f"no region of peer {peer!r} can exchange blocks with a region of {agent!r}: {shown}"
 
 
 def slow_route(agent: str, here: str, local: LocalRegion, handle: PeerHandle, record: RegionRecord,
