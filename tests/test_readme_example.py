@@ -5,10 +5,15 @@ run as two real processes, ``decode`` and ``prefill``, on a free port. Then: the
 0, 1, 2 hold the prefill's blocks 3, 4, 9 byte for byte in every layer and K/V, every other
 decode byte still holds the poison its allocator left, the pair took the shared-memory path
 (``local``), ``wait()`` returned DONE, and both printed what the README says they print.
+
+Run again with plain ``torch.empty`` caches in place of ``shared_empty`` (the README says what
+that prints): the pair goes over ``ucx``, the route printed starts as the README says, the
+prefill logs exactly one slow-route warning naming the fix, and the bytes land the same.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -18,6 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -26,12 +32,13 @@ STORE = "tcp://127.0.0.1:29600"
 POISON = 0xA5
 SRC, DST = [3, 4, 9], [0, 1, 2]
 
-# Runs the example unchanged, with its allocator's uninitialised bytes made a known poison, and
-# keeps what it left behind for the checks.
+# Runs the example unchanged, with its allocator's uninitialised bytes made a known poison (and,
+# for "plain", plain torch.empty memory in place of shared memory), and keeps what it left behind
+# for the checks.
 HARNESS = textwrap.dedent("""
     import runpy, sys, torch, xfer
 
-    real = xfer.shared_empty
+    real = xfer.shared_empty if sys.argv[2] == "shared" else torch.empty
     def poisoned_empty(*args, **kwargs):
         t = real(*args, **kwargs)
         t.view(torch.uint8).fill_({poison})
@@ -62,15 +69,23 @@ def claimed_output() -> tuple[str, str, str]:
     return m.group(1), m.group(2), m.group(3)
 
 
+def claimed_plain_route() -> str:
+    """How the README says the route printed with plain caches begins (up to its ``...``)."""
+    text = " ".join(README.read_text().split())
+    m = re.search(r"the route prints `(ucx \(local refused: [^`]*?)\.\.\.\)`", text)
+    assert m is not None, "README.md no longer says what the route of plain caches prints"
+    return m.group(1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start(role: str, cwd: Path) -> subprocess.Popen:
+def _start(role: str, memory: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    return subprocess.Popen([sys.executable, "harness.py", role], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "harness.py", role, memory], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
@@ -84,14 +99,19 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def test_readme_example_runs_as_written(tmp_path):
+@pytest.mark.parametrize("memory", [
+    "shared",
+    pytest.param("plain", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                                                   reason="plain caches go over ucx: pip install -e '.[ucx]'")),
+])
+def test_readme_example_runs_as_written(tmp_path, memory):
     code = example_code()
     assert code.count(STORE) == 1, f"the example should open its store at {STORE}"
     (tmp_path / "kv_example.py").write_text(code.replace(STORE, f"tcp://127.0.0.1:{_free_port()}"))
     (tmp_path / "harness.py").write_text(HARNESS)
 
-    decode = _start("decode", tmp_path)
-    prefill = _start("prefill", tmp_path)
+    decode = _start("decode", memory, tmp_path)
+    prefill = _start("prefill", memory, tmp_path)
     try:
         prc, pout, perr = _finish(prefill, 60)
         drc, dout, derr = _finish(decode, 60)
@@ -104,11 +124,19 @@ def test_readme_example_runs_as_written(tmp_path):
     assert drc == 0, derr[-3000:]
 
     route_line, state_line, note_line = claimed_output()
-    assert pout.splitlines() == [route_line, state_line]
     assert dout.splitlines() == [note_line]
-
     src, dst = torch.load(tmp_path / "prefill.pt"), torch.load(tmp_path / "decode.pt")
-    assert src["route"] == "local", "two processes on one host with shared_empty caches take the local path"
+    warned = [line for line in perr.splitlines() if "slow route" in line]
+    if memory == "shared":
+        assert pout.splitlines() == [route_line, state_line]
+        assert src["route"] == "local", "two processes on one host with shared_empty caches take the local path"
+        assert warned == []
+    else:
+        printed, state = pout.splitlines()
+        assert printed.startswith(claimed_plain_route()) and state == state_line, printed
+        assert src["route"] == "ucx"
+        assert len(warned) == 1, perr[-3000:]
+        assert "prefill-0:kv -> decode-0:kv goes over ucx" in warned[0] and "xfer.shared_empty" in warned[0]
     assert src["state"] == "DONE"
     others = [b for b in range(dst["caches"][0].shape[1]) if b not in DST]
     for layer, (s, d) in enumerate(zip(src["caches"], dst["caches"], strict=True)):
