@@ -17,30 +17,49 @@ from xfer.layout import KVLayout
 from .paths import _where
 from .reference import host_run_views, sides_touch, slot_addresses, tensor_spans
 
-__all__ = ["_Side", "_RecentSides", "_side", "_staging", "_touching", "_pair", "_remember", "_ref_views", "staging_layout"]
+__all__ = ["_Checked", "_Side", "_RecentSides", "_side", "_staging", "_touching", "_pair", "_remember", "_ref_views", "staging_layout"]
 
 
-class _Side:
-    """One side's tensors, checked by ``layout.check_tensors``, with their slot addresses."""
+class _Checked:
+    """What checking one side found (slot addresses, byte spans, where it lives) and what a pair of
+    sides builds once (``pairs``: kernel tables, host views, whether their bytes meet, per
+    destination). It refers to the tensors it checked only weakly: a cache of it never keeps the
+    caller's memory alive."""
 
-    __slots__ = ("layout", "tensors", "ptrs", "addresses", "spans", "where", "pairs", "cached", "__weakref__")
+    __slots__ = ("layout", "refs", "ptrs", "addresses", "spans", "where", "pairs", "__weakref__")
 
     def __init__(self, layout: KVLayout, tensors: list[torch.Tensor]) -> None:
         self.layout = layout
-        self.tensors = layout.check_tensors(tensors)
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.addresses = slot_addresses(layout, self.tensors)
-        self.spans = tensor_spans(layout, self.tensors)
-        self.where = _where(self.tensors)
-        self.pairs: dict = {}  # per destination side: copy.PairTables (GPU kernel tables), host views
-        self.cached = False  # kept by _RECENT (a cache, not a per-call staging buffer)
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.addresses = slot_addresses(layout, tensors)
+        self.spans = tensor_spans(layout, tensors)
+        self.where = _where(tensors)
+        self.pairs: dict = {}
 
     def same(self, layout: KVLayout, tensors: list[torch.Tensor]) -> bool:
-        """Whether this side is ``layout`` over the very same tensor objects (by identity), still at
-        the addresses it checked."""
-        mine = self.tensors
-        return (len(mine) == len(tensors) and mine[0] is tensors[0] and (self.layout is layout or self.layout == layout)
-                and all(a is b for a, b in zip(mine, tensors)) and self.ptrs == [t.data_ptr() for t in tensors])
+        """Whether this is ``layout`` over the very same tensor objects (by identity, each still
+        alive), still at the addresses it checked."""
+        refs = self.refs
+        return (len(refs) == len(tensors) and refs[0]() is tensors[0] and (self.layout is layout or self.layout == layout)
+                and all(r() is t for r, t in zip(refs, tensors)) and self.ptrs == [t.data_ptr() for t in tensors])
+
+
+class _Side:
+    """One side of a copy: the caller's tensors (held for as long as this object lives: one call,
+    or a :class:`BoundCopy`) and what checking them found (``info``, a :class:`_Checked`, shared by
+    every call over the same tensors while they live)."""
+
+    __slots__ = ("layout", "tensors", "info", "ptrs", "addresses", "spans", "where", "pairs", "cached")
+
+    def __init__(self, layout: KVLayout, tensors: list[torch.Tensor], info: _Checked | None = None) -> None:
+        if info is None:
+            tensors = layout.check_tensors(tensors)
+            info = _Checked(layout, tensors)
+        self.layout, self.tensors, self.info = layout, tensors, info
+        self.ptrs, self.addresses, self.spans, self.where, self.pairs = \
+            info.ptrs, info.addresses, info.spans, info.where, info.pairs
+        self.cached = False  # a cache (kept by _RECENT or a BoundCopy), not a per-call staging buffer
 
 
 class _RecentSides:
@@ -48,21 +67,21 @@ class _RecentSides:
     most ``cap``: a call naming the same layout over the same tensor objects (compared by
     identity, never by ``id()``) reuses the checks (``check_tensors`` over 100+ tensors costs
     ~0.5 ms). Readers scan an immutable tuple; writers replace it under a lock (copies may run on
-    worker threads). A kept side holds its tensors, as any cache of them must, until ``cap`` newer
-    ones push it out."""
+    worker threads). It keeps :class:`_Checked` records, which refer to their tensors weakly: a
+    cache the caller dropped is freed at once (its record then matches nothing and ages out)."""
 
     def __init__(self, cap: int) -> None:
         self.cap, self._sides, self._lock = cap, (), threading.Lock()
 
-    def get(self, layout: KVLayout, tensors: list[torch.Tensor]) -> _Side | None:
-        for side in reversed(self._sides):
-            if side.same(layout, tensors):
-                return side
+    def get(self, layout: KVLayout, tensors: list[torch.Tensor]) -> _Checked | None:
+        for info in reversed(self._sides):
+            if info.same(layout, tensors):
+                return info
         return None
 
-    def add(self, side: _Side) -> None:
+    def add(self, info: _Checked) -> None:
         with self._lock:
-            self._sides = (*self._sides[-(self.cap - 1):], side)
+            self._sides = (*self._sides[-(self.cap - 1):], info)
 
     def __len__(self) -> int:
         return len(self._sides)
@@ -75,13 +94,15 @@ def _side(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> _Side:
     """Check a side once per (layout, tensor objects); a repeat call only confirms the same tensors
     still sit at the same addresses (``_RecentSides``)."""
     tensors = list(tensors)
-    side = _RECENT.get(layout, tensors)
-    if side is not None:
+    info = _RECENT.get(layout, tensors)
+    if info is not None:
+        side = _Side(layout, tensors, info)
+        side.cached = True
         return side
     side = _Side(layout, tensors)
     if len(tensors) > 2:  # caches, not per-call staging buffers
         side.cached = True
-        _RECENT.add(side)
+        _RECENT.add(side.info)
     return side
 
 
@@ -97,7 +118,7 @@ def _touching(src: _Side, dst: _Side) -> bool | None:
     """Whether two cached sides' byte ranges meet, computed once per pair (None: not cached)."""
     if not (src.cached and dst.cached):
         return None
-    key = ("touch", weakref.ref(dst))
+    key = ("touch", weakref.ref(dst.info))
     hit = src.pairs.get(key)
     if hit is None:
         hit = src.pairs[key] = sides_touch(src.spans, dst.spans)
@@ -106,7 +127,7 @@ def _touching(src: _Side, dst: _Side) -> bool | None:
 
 def _pair(copy, src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Side, device: torch.device):
     """The kernel tables between two checked sides, built once per (source, destination, device)."""
-    key = (weakref.ref(dst), device)
+    key = (weakref.ref(dst.info), device)
     pair = src.pairs.get(key)
     if pair is None or (pair.src_layout is not src_layout and pair.src_layout != src_layout) or \
             (pair.dst_layout is not dst_layout and pair.dst_layout != dst_layout):
@@ -124,7 +145,7 @@ def _remember(side: _Side, key, value):
 
 def _ref_views(src_layout: KVLayout, src: _Side, dst_layout: KVLayout, dst: _Side):
     """The host copy's numpy views between two checked cached sides, built once (None off the host)."""
-    key = ("host views", weakref.ref(dst))
+    key = ("host views", weakref.ref(dst.info))
     hit = src.pairs.get(key)
     if hit is None or hit[0] is not src_layout or hit[1] is not dst_layout:
         hit = _remember(src, key, (src_layout, dst_layout,

@@ -189,13 +189,16 @@ def test_ids_ring_allocates_its_device_buffers_on_the_copy_stream(monkeypatch):
 
 @gpu
 @needs_cuda
-def test_gpu_bound_copy_preload_moves_nothing_then_copies():
+def test_gpu_bound_copy_preload_moves_nothing_then_copies(monkeypatch):
     """A preload runs a launch shape's kernel once, moving no byte; the copy after it is exact."""
     from xfer.kernels import BoundCopy
+    from xfer.kernels import copy as kc
+    # a process that ran other tests first has this geometry's kernel already: start from none
+    monkeypatch.setattr(kc, "_COMPILED", {})
     src, sl = seed_cache(blocks=16)
     dst, dl = seed_cache(blocks=16, fill="poison")
     bound = BoundCopy(sl, src, dl, dst)
-    n = 5  # a block count no other test copies: its launch shape is new to this process
+    n = 5
     stream = torch.cuda.Stream()
     assert bound.preload(n, stream) is True
     assert bound.preload(n, stream) is False  # once per process
@@ -1060,15 +1063,33 @@ def test_functional_copies_reuse_a_sides_checks_only_for_the_same_tensor_objects
     src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3)  # one tensor a layer
     dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3, fill="poison")
     assert len(src) > 2  # a cache: remembered (per-call staging buffers are not)
-    first = d._side(sl, src)
-    assert d._side(sl, src) is first and d._side(sl, tuple(src)) is first
-    assert d._side(sl, [src[1], src[0], src[2]]) is not first
+    first = d._side(sl, src).info
+    assert d._side(sl, src).info is first and d._side(sl, tuple(src)).info is first
+    assert d._side(sl, [src[1], src[0], src[2]]).info is not first
     views = [src[0], *(t.view(t.shape) for t in src[1:])]  # new objects over the same bytes: not the same
-    assert d._side(sl, views) is not first
+    assert d._side(sl, views).info is not first
     clones = [t.clone() for t in src]
-    assert d._side(sl, clones) is not first
+    assert d._side(sl, clones).info is not first
     for _ in range(d._RECENT.cap):
         d._side(sl, [t.clone() for t in src])
-    assert len(d._RECENT) == d._RECENT.cap and d._side(sl, src) is not first  # pushed out, checked anew
+    assert len(d._RECENT) == d._RECENT.cap and d._side(sl, src).info is not first  # pushed out, checked anew
     copy_blocks(sl, src, [3, 1], dl, dst, [0, 2])
     check_moved(sl, src, [3, 1], dl, dst, [0, 2])
+
+
+def test_functional_copies_keep_no_cache_alive(torch_path):
+    """The memory of checked sides refers to the caches weakly: a cache the caller dropped after
+    copy_blocks is freed at once (on a GPU its memory goes back), and its record matches nothing."""
+    import gc
+    import weakref
+    from xfer.kernels import sides as d
+
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=3, fill="poison")
+    copy_blocks(sl, src, [3, 1], dl, dst, [0, 2])
+    check_moved(sl, src, [3, 1], dl, dst, [0, 2])
+    assert d._side(sl, src).cached and d._side(dl, dst).cached  # both remembered
+    gone = [weakref.ref(t) for t in (*src, *dst)]
+    del src, dst
+    gc.collect()
+    assert all(r() is None for r in gone), "a copy's side cache kept a dropped KV cache alive"
