@@ -50,7 +50,7 @@ __all__ = ["CopyPath", "select_path", "copy_blocks", "BoundCopy", "StagingCopies
 
 from .paths import (COPY_REQUESTS, DEFAULT_COPY_TABLE, CopyPath, _choose, _ENGINE_MODE, copy_table,  # noqa: F401
                     select_path, set_copy_table, slice_bytes)
-from .sides import _Side, _pair, _ref_views, _side, _staging, _touching, staging_layout  # noqa: F401
+from .sides import _Side, _pair, _ref_views, _side, _staging, _staging_side, _touching, staging_layout  # noqa: F401
 class _KeepAliveEvent(torch.cuda.Event):
     """A CUDA event that also holds the copy's tensors and tables (``keep``) while it lives, and
     says which path ran (``path``, ``reason``)."""
@@ -305,7 +305,8 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, out: to
         return copy_blocks(layout, tensors, [], layout, tensors, [], **kw)
     staging = _staging(layout, n)
     buf = staging_tensor(out, staging, what="out")
-    return copy_blocks(layout, tensors, block_ids, staging, [buf], np.arange(n), **kw)
+    s_ids, d_ids = check_ids(layout, block_ids, staging, np.arange(n))
+    return _copy_kw(layout, _side(layout, tensors), s_ids, staging, _staging_side(staging, out, buf), d_ids, **kw)
 
 
 def scatter(staging: torch.Tensor, layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, *,
@@ -322,7 +323,16 @@ def scatter(staging: torch.Tensor, layout: KVLayout, tensors: Sequence[torch.Ten
         return copy_blocks(layout, tensors, [], layout, tensors, [], **kw)
     staging_layout = _staging(layout, n) if staging_layout is None else staging_layout
     buf = staging_tensor(staging, staging_layout, what="staging")
-    return copy_blocks(staging_layout, [buf], np.arange(n), layout, tensors, block_ids, **kw)
+    s_ids, d_ids = check_ids(staging_layout, np.arange(n), layout, block_ids)
+    return _copy_kw(staging_layout, _staging_side(staging_layout, staging, buf), s_ids, layout, _side(layout, tensors),
+                    d_ids, **kw)
+
+
+def _copy_kw(src_layout: KVLayout, src: _Side, s_ids: np.ndarray, dst_layout: KVLayout, dst: _Side, d_ids: np.ndarray, *,
+             stream: torch.cuda.Stream | None = None, wait_event: torch.cuda.Event | None = None, path=None,
+             record_stream: bool = True):
+    """:func:`_copy` with :func:`copy_blocks`'s keywords (gather and scatter pass theirs on)."""
+    return _copy(src_layout, src, s_ids, dst_layout, dst, d_ids, stream, wait_event, path, record_stream)
 
 
 def _check_swap(device_tensors: Sequence[torch.Tensor], host_tensors: Sequence[torch.Tensor]) -> None:

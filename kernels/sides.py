@@ -17,7 +17,7 @@ from xfer.layout import KVLayout
 from .paths import _where
 from .reference import host_run_views, sides_touch, slot_addresses, tensor_spans
 
-__all__ = ["_Checked", "_Side", "_RecentSides", "_side", "_staging", "_touching", "_pair", "_remember", "_ref_views", "staging_layout"]
+__all__ = ["_Checked", "_Side", "_RecentSides", "_RecentStaging", "_staging_side", "_side", "_staging", "_touching", "_pair", "_remember", "_ref_views", "staging_layout"]
 
 
 class _Checked:
@@ -88,6 +88,49 @@ class _RecentSides:
 
 
 _RECENT = _RecentSides(cap=32)
+
+
+class _RecentStaging:
+    """The CUDA staging buffers gather and scatter used last (at most ``cap``), by the identity of
+    the caller's buffer object (weakly) and its address: a buffer reused across calls (a ring, a
+    preallocated area) keeps its device tables, so such a call takes the lean launch path of two
+    caches instead of building and uploading tables each time."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self._entries, self._lock = cap, (), threading.Lock()
+
+    def get(self, buf: torch.Tensor, layout: KVLayout) -> _Checked | None:
+        ptr = buf.data_ptr()
+        for ref, lay, at, info in reversed(self._entries):
+            if ref() is buf and at == ptr and (lay is layout or lay == layout):
+                return info
+        return None
+
+    def add(self, buf: torch.Tensor, layout: KVLayout, info: _Checked) -> None:
+        with self._lock:
+            live = tuple(e for e in self._entries if e[0]() is not None)
+            self._entries = (*live[-(self.cap - 1):], (weakref.ref(buf), layout, buf.data_ptr(), info))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_RECENT_STAGING = _RecentStaging(cap=8)
+
+
+def _staging_side(layout: KVLayout, buf: torch.Tensor, view: torch.Tensor) -> _Side:
+    """The staging side of a gather or scatter: ``view`` (this call's view of the caller's buffer
+    ``buf`` as ``layout``'s one tensor). A CUDA buffer seen recently reuses its checks and tables."""
+    if view.device.type != "cuda":
+        return _side(layout, [view])
+    info = _RECENT_STAGING.get(buf, layout)
+    if info is None:
+        side = _Side(layout, [view])
+        _RECENT_STAGING.add(buf, layout, side.info)
+    else:
+        side = _Side(layout, [view], info)
+    side.cached = True
+    return side
 
 
 def _side(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> _Side:

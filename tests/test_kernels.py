@@ -867,6 +867,37 @@ def test_gpu_seed_case(dst_kind):
 
 @gpu
 @needs_cuda
+def test_gpu_gather_scatter_reuse_a_staging_buffers_tables_only_while_it_is_the_same():
+    """A CUDA staging buffer reused across gathers/scatters keeps its checks and device tables
+    (the lean path); other ids into it, another buffer at another address, the same buffer after
+    it was dropped and its address handed to a new one: every call's bytes are exact."""
+    import gc
+    from xfer.kernels import sides as d
+    src, sl = seed_cache(blocks=32)
+    n = 6
+    out = torch.full((n * sl.bytes_per_block,), POISON, dtype=torch.uint8, device="cuda")
+    expect = torch.empty_like(out)
+    for ids in ([1, 5, 9, 30, 2, 7], [0, 31, 3, 4, 8, 16], [1, 5, 9, 30, 2, 7]):
+        gather(sl, src, ids, out)
+        gather_ref(sl, src, ids, expect)
+        assert torch.equal(out, expect), ids
+    assert d._RECENT_STAGING.get(out, sl.staging(n)) is not None
+    dst, dl = seed_cache(blocks=32, fill="poison")
+    scatter(out, dl, dst, [3, 2, 11, 12, 20, 0])
+    torch.cuda.synchronize()
+    check_moved(sl, src, [1, 5, 9, 30, 2, 7], dl, dst, [3, 2, 11, 12, 20, 0])
+    ptr = out.data_ptr()
+    del out
+    gc.collect()
+    again = torch.full((n * sl.bytes_per_block,), POISON, dtype=torch.uint8, device="cuda")  # likely at ptr
+    assert d._RECENT_STAGING.get(again, sl.staging(n)) is None, (again.data_ptr() == ptr)
+    gather(sl, src, [4, 4, 6, 8, 10, 12], again)  # a source block may repeat
+    gather_ref(sl, src, [4, 4, 6, 8, 10, 12], expect)
+    assert torch.equal(again, expect)
+
+
+@gpu
+@needs_cuda
 def test_gpu_offsets_past_4_gib():
     per_block = 4 * 2 * 16 * 8 * 128 * 2  # cross-layer: a block spans 4 layers x K/V x 32 KiB
     blocks = (5 << 30) // per_block
