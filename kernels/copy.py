@@ -256,7 +256,8 @@ class _IdsRing:
     launch that last read one has completed (its event): a repeat copy then costs one
     ``cudaMemcpyAsync`` on its stream, no allocation and no stream switch."""
 
-    SIZE = 8
+    SIZE = 8  # buffers at first
+    MAX = 128  # buffers at most: launches queued back to back each hold one until their event completed
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -265,15 +266,16 @@ class _IdsRing:
         self.lock = threading.Lock()  # copies may run on several threads
 
     def upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream, memcpy):
-        """(device ids ``[src..., dst...]``, the entry to release) or None when every entry is busy."""
+        """(device ids ``[src..., dst...]``, the entry to release) or None when every entry (``MAX``) is busy."""
         with self.lock:
             return self._upload(src_ids, dst_ids, stream, memcpy)
 
     def _upload(self, src_ids, dst_ids, stream, memcpy):
         n = len(src_ids)
-        for _ in range(self.SIZE):
+        size = len(self.entries)
+        for _ in range(size):
             i = self.next
-            self.next = (i + 1) % self.SIZE
+            self.next = (i + 1) % size
             entry = self.entries[i]
             if entry is not None and entry[2] is not None:
                 if not entry[2].query():
@@ -300,6 +302,10 @@ class _IdsRing:
             if view is None:
                 view = entry[5][n] = entry[1][:2 * n]
             return view, entry
+        if size < self.MAX:  # every buffer still read by a queued launch: one more, kept for later calls
+            self.entries.append(None)
+            self.next = size
+            return self._upload(src_ids, dst_ids, stream, memcpy)
         return None
 
 

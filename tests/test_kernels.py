@@ -186,6 +186,23 @@ def test_ids_ring_allocates_its_device_buffers_on_the_copy_stream(monkeypatch):
     assert where == [s], f"device buffer allocated under {where} (None: the caller's current stream)"
     assert ids.tolist() == [0, 1, 2, 3, 4, 5]
 
+    # launches queued back to back each hold their buffer until their event completed: the ring
+    # grows (no fresh per-call upload) up to MAX, every queued launch's ids intact, then says None
+    held = [(ids, entry)]
+    for k in range(1, kc._IdsRing.MAX):
+        got = ring.upload(np.arange(k, k + 3), np.arange(k + 3, k + 6), s, memcpy)
+        assert got is not None, f"ring full after {k} of {kc._IdsRing.MAX} buffers"
+        held.append(got)
+    assert len({e[1].data_ptr() for _, e in held}) == kc._IdsRing.MAX  # one buffer each
+    assert all(v.tolist() == list(range(k, k + 6)) for k, (v, _) in enumerate(held))
+    assert ring.upload(np.arange(3), np.arange(3, 6), s, memcpy) is None
+    class Done:
+        def query(self):
+            return True
+    kc.PairTables.release(held[5][1], Done())  # its launch ended: that buffer is reused, no new one
+    again, entry = ring.upload(np.arange(2), np.arange(2, 4), s, memcpy)
+    assert entry is held[5][1] and again.tolist() == [0, 1, 2, 3] and len(ring.entries) == kc._IdsRing.MAX
+
 
 @gpu
 @needs_cuda
