@@ -1,15 +1,26 @@
-"""The control channel's client: one connection to a peer's control server, one request in flight.
+"""The control channel's client: one connection to a peer's control server, requests pipelined.
 
 It connects lazily, runs the handshake (xfer.frames: HELLO, the server's WELCOME and proof, our
 PROOF sent together with the first request), then sends MAC'd requests and checks each reply's
 MAC and sequence number before parsing it. The server says in its WELCOME how long it keeps an
 idle connection; the client opens a new one before reusing one idle for most of that.
+
+Several requests may be in flight on the connection (the server answers them in order, each
+before it reads the next): :meth:`ControlClient.submit` sends one and returns at once with its
+:class:`Pending` reply, :meth:`ControlClient.result` waits for it (any thread; one reads the
+socket at a time and hands each reply to the request it answers, in order). ``request`` is
+both. A wait that reaches its deadline gives up its reply (dropped when it comes) without
+closing the connection: replies are read into a buffer, never half a frame, so nothing
+desynchronises; a broken stream (closed, a bad MAC or size, a reply that is not JSON) fails every
+request in flight and the next one opens a new connection.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
+import select
 import socket
 import threading
 import time
@@ -20,9 +31,30 @@ from .errors import AuthenticationError, MetadataError, PeerDisconnectedError, T
 from .frames import Kind, Reject
 from .guard import loads
 
-__all__ = ["ControlClient"]
+__all__ = ["ControlClient", "Pending"]
 
 _REPLY_PAYLOAD_MAX = 64 << 20
+_ABANDONED_MAX = 64  # requests in flight whose waiters gave up: past this the connection is started afresh
+_SEND_FLOOR_S = 0.05  # the least time a request's send may take before the stream is given up
+
+
+def _ready(sock: socket.socket, event: int, timeout: float) -> bool:
+    """Whether ``sock`` is readable (POLLIN) or writable (POLLOUT) within ``timeout`` seconds (also
+    True on an error or hang-up: the next call on it says which)."""
+    poller = select.poll()
+    poller.register(sock, event)
+    return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
+
+
+class Pending:
+    """One request sent and not answered yet: :meth:`ControlClient.result` waits for its reply."""
+
+    __slots__ = ("reply", "error", "done", "abandoned", "sent")
+
+    def __init__(self) -> None:
+        self.reply = self.error = None
+        self.done = self.abandoned = False
+        self.sent = 0.0  # time.monotonic() once sent
 
 
 class ControlClient:
@@ -39,68 +71,244 @@ class ControlClient:
         self._proof = b""  # our PROOF, sent in front of the first request
         self._idle_s = float("inf")
         self._used = 0.0
-        self._rest = b""  # bytes received past the part of a reply read so far
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the sending side: connect, handshake, seal and send, in order
+        # the receiving side: requests in flight (in sending order), the reply bytes read so far, who reads
+        self._cv = threading.Condition(threading.Lock())
+        self._inflight: collections.deque[Pending] = collections.deque()
+        self._abandoned = 0
+        self._buf = bytearray()
+        self._rest = b""  # (the handshake's) bytes received past the part read so far
+        self._reading = False
+        self._gen = 0  # the connection's number: a reader of an older one leaves the newer alone
         self._closed = False
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            self._reset()
+            self._reset(PeerDisconnectedError(f"control channel to {self.peer!r} is closed"))
 
-    def _reset(self) -> None:
-        self._rest, self._session, self._proof = b"", None, b""
+    def _reset(self, error: XferError) -> None:
+        """Close the connection (caller holds ``_lock``): every request in flight fails with ``error``,
+        but those whose replies have arrived already (read now, when no other thread reads)."""
+        self._proof = b""
+        self._salvage()
+        with self._cv:
+            self._gen += 1
+            self._session, self._buf = None, bytearray()
+            self._fail_all(error)
         if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader waiting on it
+            except OSError:
+                pass
             self._sock.close()
             self._sock = None
+
+    def _salvage(self) -> None:
+        """Hand out the replies already received (a reset must not fail a request the peer answered)."""
+        with self._cv:
+            if self._sock is None or not self._inflight or self._reading or self._session is None:
+                return
+            self._reading = True
+            gen, sock = self._gen, self._sock
+        try:
+            while True:
+                self._take_frames(gen)
+                if not _ready(sock, select.POLLIN, 0.0):
+                    break
+                data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                if not data:
+                    break
+                with self._cv:
+                    self._buf += data
+        except Exception:  # noqa: BLE001 - best effort: the connection is being closed anyway
+            pass
+        finally:
+            with self._cv:
+                self._reading = False
+                self._cv.notify_all()
+
+    def _fail_all(self, error: XferError) -> None:
+        """(under ``_cv``) End every request in flight with ``error``."""
+        while self._inflight:
+            p = self._inflight.popleft()
+            p.error, p.done = error, True
+        self._abandoned = 0
+        self._cv.notify_all()
 
     def _where(self) -> str:
         return f"peer {self.peer!r} at {self.address[0]}:{self.address[1]}"
 
     def request(self, header: dict, payload: bytes = b"", *, deadline: float) -> tuple[dict, bytes]:
         """Send one frame and return the reply, by ``deadline`` (``time.monotonic`` seconds)."""
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TransferTimeoutError(f"control channel to {self.peer!r} stayed busy until the deadline")
+        return self.result(self.submit(header, payload, deadline=deadline), deadline)
+
+    def submit(self, header: dict, payload: bytes = b"", *, deadline: float, block: bool = True) -> Pending | None:
+        """Send one frame; return its :class:`Pending` reply at once (wait for it with
+        :meth:`result`). ``block`` False: None instead of waiting for anything (another thread
+        sending, no connection open yet, the socket not writable now), nothing sent."""
+        if deadline <= time.monotonic():  # nothing sent; the requests in flight are not this one's to fail
+            raise TransferTimeoutError(f"no reply from {self._where()} by the deadline (it passed before the "
+                                       f"request was sent)")
+        if block:
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(f"control channel to {self.peer!r} stayed busy until the deadline")
+        elif not self._lock.acquire(blocking=False):
+            return None
         try:
             if self._closed:
                 raise PeerDisconnectedError(f"control channel to {self.peer!r} is closed")
             try:
-                if self._sock is not None and time.monotonic() - self._used > self._idle_s:
-                    self._reset()  # the server is about to close it as idle: start afresh
+                if self._sock is not None and not self._inflight and time.monotonic() - self._used > self._idle_s:
+                    self._reset(PeerDisconnectedError(f"control channel to {self.peer!r} was idle"))  # the server
+                    # is about to close it as idle: start afresh
+                if not block and (self._sock is None or not _ready(self._sock, select.POLLOUT, 0.0)):
+                    return None
+                if self._abandoned > _ABANDONED_MAX:  # a peer that stopped answering: start afresh
+                    self._reset(TransferTimeoutError(f"no reply from {self._where()} by the deadline"))
                 if self._sock is None:
                     self._open(deadline)
-                self._settimeout(deadline)
+                # a send that cannot finish by then (a peer that stopped reading) breaks the stream;
+                # never less than a moment, so a deadline about to pass does not break it for the others
+                self._sock.settimeout(max(deadline - time.monotonic(), _SEND_FLOOR_S))
                 h = json.dumps(header, separators=(",", ":")).encode()
                 seq, mac = self._session.seal(Kind.REQUEST, h, payload)
+                p = Pending()
+                with self._cv:
+                    self._inflight.append(p)  # before it is sent: the reply may come at once
+                p.sent = time.monotonic()
                 self._sock.sendall(self._proof + frames.frame(Kind.REQUEST, h, payload, seq, mac))
                 self._proof = b""
-                kind, hlen, plen, rseq, rmac = self._prefix(deadline)
+                return p
+            except (AuthenticationError, MetadataError) as exc:
+                self._reset(exc)
+                raise
+            except (socket.timeout, TimeoutError):
+                exc = TransferTimeoutError(f"no reply from {self._where()} by the deadline")
+                self._reset(exc)  # a frame sent in part would desynchronise the stream
+                raise exc from None
+            except (OSError, ValueError, ConnectionError, XferError) as exc:
+                if not isinstance(exc, PeerDisconnectedError):
+                    exc = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
+                self._reset(exc)
+                raise exc from None
+        finally:
+            self._lock.release()
+
+    def result(self, p: Pending, deadline: float) -> tuple[dict, bytes]:
+        """The reply to ``p`` (from :meth:`submit`), by ``deadline``; raises what failed it. At
+        the deadline its reply is given up (dropped when it comes): TransferTimeoutError."""
+        while True:
+            with self._cv:
+                while not p.done and self._reading:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return self._give_up(p)
+                    self._cv.wait(left)
+                if p.done:
+                    break
+                if deadline <= time.monotonic():
+                    return self._give_up(p)
+                self._reading = True
+                gen, sock = self._gen, self._sock
+            try:
+                self._read_until(p, gen, sock, deadline)
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
+        if p.error is not None:
+            raise p.error
+        return p.reply
+
+    def _give_up(self, p: Pending):
+        """(under ``_cv``) ``p``'s waiter reached its deadline: its reply is dropped when it comes."""
+        p.abandoned = True
+        self._abandoned += 1
+        raise TransferTimeoutError(f"no reply from {self._where()} by the deadline")
+
+    def _read_until(self, p: Pending, gen: int, sock, deadline: float) -> None:
+        """Read replies (handing each to its request) until ``p`` has one, the deadline passed
+        (nothing lost: bytes read stay buffered) or the stream broke (every request fails)."""
+        try:
+            while not p.done:
+                if self._take_frames(gen):
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                if sock is None:  # (a reset between; its requests are failed)
+                    time.sleep(min(left, 0.001))
+                    return
+                if not _ready(sock, select.POLLIN, left):
+                    continue
+                try:
+                    data = sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError, socket.timeout):  # (readable, yet nothing: again)
+                    continue
+                if not data:
+                    raise ConnectionError("connection closed by peer")
+                with self._cv:
+                    if gen != self._gen:
+                        return
+                    self._buf += data
+        except (AuthenticationError, MetadataError) as exc:
+            self._broken(gen, exc)
+        except (OSError, ValueError, ConnectionError, XferError) as exc:
+            if not isinstance(exc, PeerDisconnectedError):
+                exc = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
+            self._broken(gen, exc)
+
+    def _take_frames(self, gen: int) -> bool:
+        """Hand every whole reply frame buffered to its request; True if one was."""
+        took = False
+        with self._cv:
+            while gen == self._gen:
+                buf, size = self._buf, frames.PREFIX.size
+                if len(buf) < size:
+                    break
+                kind, _, _, hlen, plen, rseq, rmac = frames.PREFIX.unpack_from(buf)
+                if kind == Kind.REJECT:
+                    if len(buf) < size + min(hlen, frames.REJECT_MAX):
+                        break
+                    code, why = frames.parse_reject(bytes(buf[size:size + min(hlen, frames.REJECT_MAX)]))
+                    cls = AuthenticationError if code == Reject.AUTH else PeerDisconnectedError
+                    if code == Reject.AUTH and "stale metadata" in why:
+                        cls = MetadataError
+                    raise cls(f"peer {self.peer!r} refused: {why}")
                 if kind != Kind.REPLY:
                     raise PeerDisconnectedError(f"{self._where()} sent a frame of kind {kind} for a reply")
                 if hlen > self._max_header or plen > _REPLY_PAYLOAD_MAX:
                     raise PeerDisconnectedError(f"{self._where()} sent a reply of {hlen}+{plen} bytes")
-                body = self._recv_exact(hlen + plen, deadline)
-                rh, rp = body[:hlen], body[hlen:]
+                end = size + hlen + plen
+                if len(buf) < end:
+                    break
+                rh, rp = bytes(buf[size:size + hlen]), bytes(buf[size + hlen:end])
+                del buf[:end]
+                if not self._inflight:
+                    raise PeerDisconnectedError(f"{self._where()} sent a reply to no request")
                 self._session.open(rseq, Kind.REPLY, rh, rp, rmac)
                 reply = loads(rh, max_bytes=self._max_header, what=f"reply header from {self.peer!r}")
+                p = self._inflight.popleft()
+                if p.abandoned:
+                    self._abandoned -= 1
+                p.reply, p.done = (reply, rp), True
                 self._used = time.monotonic()
-                return reply, rp
-            except (AuthenticationError, MetadataError):
-                self._reset()
-                raise
-            except (socket.timeout, TimeoutError):
-                self._reset()  # a late reply would desynchronise the stream
-                raise TransferTimeoutError(f"no reply from {self._where()} by the deadline") from None
-            except (OSError, ValueError, ConnectionError, XferError) as exc:
-                self._reset()
-                if isinstance(exc, PeerDisconnectedError):
-                    raise
-                raise PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}") from None
-        finally:
-            self._lock.release()
+                took = True
+            if took:
+                self._cv.notify_all()
+        return took
+
+    def _broken(self, gen: int, error: XferError) -> None:
+        """The stream of connection ``gen`` broke: every request in flight fails with ``error``
+        and the next one opens a new connection."""
+        with self._lock:
+            if gen == self._gen:
+                self._reset(error)
 
     # ---- the handshake -----------------------------------------------------------------------
     def _open(self, deadline: float) -> None:
+        self._rest = b""
         left = min(self._connect_timeout, deadline - time.monotonic())
         if left <= 0:
             raise socket.timeout()
@@ -124,7 +332,10 @@ class ControlClient:
         if key is not None and not hmac.compare_digest(welcome.proof, frames.server_proof(key, transcript)):
             raise AuthenticationError(f"{self._where()} does not prove the shared secret (wrong secret, or not the "
                                       f"agent its metadata names)")
-        self._session = Session(key, outgoing=True)
+        with self._cv:
+            self._session = Session(key, outgoing=True)
+            self._buf += self._rest  # (nothing comes before the first reply; were it so, it is read as one)
+            self._rest = b""
         self._proof = frames.frame(Kind.PROOF, frames.client_proof(key, transcript, welcome.proof))
         self._idle_s = max(welcome.idle_s - 1.0, welcome.idle_s * 0.5)
 
@@ -147,7 +358,7 @@ class ControlClient:
         self._sock.settimeout(left)
 
     def _recv_exact(self, n: int, deadline: float) -> bytes:
-        """``n`` bytes of the reply stream. Reads take what has arrived (a small reply's frame and
+        """``n`` bytes of the handshake's reply stream. Reads take what has arrived (a small reply's frame and
         body in one call); bytes past ``n`` wait in ``_rest`` for the next read of this reply."""
         chunks, got = [], 0
         if self._rest:

@@ -1,0 +1,106 @@
+"""The control client's pipelined requests (issue 32): several requests in flight on one
+connection, each reply handed to the request it answers, a waiter that gives up at its deadline
+drops its reply without desynchronising the stream, and a broken stream fails every request in
+flight (the next one connects afresh)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from xfer.control import ControlServer
+from xfer.control_client import ControlClient
+from xfer.errors import PeerDisconnectedError, TransferTimeoutError
+
+SECRET = b"pipeline-test-secret-0123456789"
+
+
+@pytest.fixture(params=[None, SECRET], ids=["plain", "secret"])
+def channel(request):
+    from xfer.auth import Authenticator
+
+    auth = None if request.param is None else Authenticator(request.param)
+    seen, hold = [], threading.Event()
+
+    def handler(header, payload):
+        seen.append(header.get("n"))
+        if header.get("slow"):
+            hold.wait(5)
+        return {"ok": True, "n": header.get("n")}, payload[::-1]
+
+    server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, auth=auth, identity=("srv-id", "srv"))
+    client = ControlClient(server.address, "srv", 5.0, auth, identity=("cli-id", "cli"), peer_id="srv-id")
+    yield server, client, seen, hold
+    client.close()
+    server.close()
+
+
+def test_requests_in_flight_are_answered_in_order_to_their_waiters(channel):
+    server, client, seen, hold = channel
+    soon = time.monotonic() + 5
+    pending = [client.submit({"n": i}, b"ab%d" % i, deadline=soon) for i in range(8)]
+    out = {}
+
+    def wait(i):
+        out[i] = client.result(pending[i], soon)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in reversed(range(8))]  # later ones wait first
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert {i: (r["n"], p) for i, (r, p) in out.items()} == {i: (i, (b"ab%d" % i)[::-1]) for i in range(8)}
+    assert seen == list(range(8)) and server.connections == 1
+
+
+def test_a_waiter_past_its_deadline_drops_its_reply_and_the_stream_stays_in_step(channel):
+    server, client, seen, hold = channel
+    client.request({"n": 0}, deadline=time.monotonic() + 5)
+    slow = client.submit({"n": 1, "slow": True}, deadline=time.monotonic() + 5)
+    with pytest.raises(TransferTimeoutError):
+        client.result(slow, time.monotonic() + 0.1)
+    hold.set()  # its reply comes now: dropped, the next request gets its own
+    reply, payload = client.request({"n": 2}, b"xy", deadline=time.monotonic() + 5)
+    assert (reply["n"], payload) == (2, b"yx") and seen == [0, 1, 2]
+    assert server.connections == 1  # the same connection: nothing was out of step
+
+
+def test_a_submit_that_must_not_wait_sends_nothing_before_a_connection_exists(channel):
+    server, client, seen, hold = channel
+    assert client.submit({"n": 0}, deadline=time.monotonic() + 5, block=False) is None
+    assert seen == [] and server.connections == 0
+    client.request({"n": 1}, deadline=time.monotonic() + 5)
+    p = client.submit({"n": 2}, deadline=time.monotonic() + 5, block=False)
+    assert p is not None and client.result(p, time.monotonic() + 5)[0]["n"] == 2
+
+
+def test_a_broken_stream_fails_every_request_in_flight_and_the_next_one_reconnects(channel):
+    server, client, seen, hold = channel
+    client.request({"n": 0}, deadline=time.monotonic() + 5)
+    pending = [client.submit({"n": i, "slow": True}, deadline=time.monotonic() + 5) for i in (1, 2, 3)]
+    time.sleep(0.1)
+    for p in list(server._peers):  # the connection breaks with replies outstanding
+        p.sock.shutdown(socket.SHUT_RDWR)
+    hold.set()
+    for p in pending:
+        with pytest.raises(PeerDisconnectedError):
+            client.result(p, time.monotonic() + 5)
+    reply, _ = client.request({"n": 4}, deadline=time.monotonic() + 5)
+    assert reply["n"] == 4
+
+
+def test_a_request_whose_deadline_passed_fails_alone(channel):
+    """A request submitted past its deadline (a transfer that timed out meanwhile) raises at once
+    and sends nothing; the requests in flight keep their replies (a reset would have failed them:
+    a notice the peer delivered would read as failed, against the fence's promise)."""
+    server, client, seen, hold = channel
+    client.request({"n": 0}, deadline=time.monotonic() + 5)
+    slow = client.submit({"n": 1, "slow": True}, deadline=time.monotonic() + 5)
+    with pytest.raises(TransferTimeoutError, match="passed before the request was sent"):
+        client.submit({"n": 2}, deadline=time.monotonic() - 0.001)
+    hold.set()
+    assert client.result(slow, time.monotonic() + 5)[0]["n"] == 1
+    assert seen == [0, 1] and server.connections == 1
