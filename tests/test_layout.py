@@ -196,3 +196,25 @@ def test_seed_case_slices():
     runs = layout.runs(ids)
     assert len(runs) == 64 * 2 * 128
     assert len(layout.runs(np.arange(128))) == 64 * 2  # consecutive blocks merge per slot
+
+
+def test_fingerprint_hash_is_made_once_and_names_the_fingerprint():
+    """Requests and notices name a layout by its fingerprint hash on every transfer: it is made
+    once per layout object, equals a fresh hash of the fingerprint, survives pickling, and differs
+    for a layout that differs in a fingerprint field."""
+    import dataclasses
+    import hashlib
+    import json
+    import pickle
+
+    from xfer.layout import LayoutKind, make_kv_cache
+
+    _, layout = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, num_layers=2, num_blocks=4, block_size=16,
+                              num_heads=2, head_dim=8)
+    expect = hashlib.sha256(json.dumps(layout.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+    assert layout.fingerprint_hash() == expect and layout.fingerprint_hash() is layout.fingerprint_hash()
+    again = pickle.loads(pickle.dumps(layout))
+    assert again == layout and again.fingerprint_hash() == expect
+    import torch
+    other = dataclasses.replace(layout, dtype=torch.float16 if layout.dtype != torch.float16 else torch.bfloat16)
+    assert other.fingerprint_hash() != expect
