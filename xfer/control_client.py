@@ -79,6 +79,9 @@ class ControlClient:
         self._buf = bytearray()
         self._rest = b""  # (the handshake's) bytes received past the part read so far
         self._reading = False
+        self._waiting = 0  # threads waiting on _cv for a reply another one reads
+        self._rsock: socket.socket | None = None  # the connection's reading side (a dup: its own timeout)
+        self._stale: list[socket.socket] = []  # reading sockets of closed connections, a reader maybe in them
         self._gen = 0  # the connection's number: a reader of an older one leaves the newer alone
         self._closed = False
 
@@ -103,14 +106,21 @@ class ControlClient:
                 pass
             self._sock.close()
             self._sock = None
+        with self._cv:  # a reader of it is woken by the shutdown; it finds its generation gone
+            rsock, self._rsock = self._rsock, None
+            if rsock is not None and not self._reading:
+                rsock.close()
+                rsock = None
+        if rsock is not None:
+            self._stale.append(rsock)  # closed once no reader may be in it (the next open)
 
     def _salvage(self) -> None:
         """Hand out the replies already received (a reset must not fail a request the peer answered)."""
         with self._cv:
-            if self._sock is None or not self._inflight or self._reading or self._session is None:
+            if self._rsock is None or not self._inflight or self._reading or self._session is None:
                 return
             self._reading = True
-            gen, sock = self._gen, self._sock
+            gen, sock = self._gen, self._rsock
         try:
             while True:
                 self._take_frames(gen)
@@ -204,19 +214,27 @@ class ControlClient:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return self._give_up(p)
-                    self._cv.wait(left)
+                    self._waiting += 1
+                    try:
+                        self._cv.wait(left)
+                    finally:
+                        self._waiting -= 1
                 if p.done:
                     break
                 if deadline <= time.monotonic():
                     return self._give_up(p)
                 self._reading = True
-                gen, sock = self._gen, self._sock
+                gen, sock = self._gen, self._rsock
             try:
                 self._read_until(p, gen, sock, deadline)
             finally:
                 with self._cv:
                     self._reading = False
-                    self._cv.notify_all()
+                    if self._waiting:
+                        self._cv.notify_all()
+                    stale, self._stale = self._stale, []
+                for old in stale:  # closed connections' reading sockets: no reader is in them now
+                    old.close()
         if p.error is not None:
             raise p.error
         return p.reply
@@ -229,10 +247,12 @@ class ControlClient:
 
     def _read_until(self, p: Pending, gen: int, sock, deadline: float) -> None:
         """Read replies (handing each to its request) until ``p`` has one, the deadline passed
-        (nothing lost: bytes read stay buffered) or the stream broke (every request fails)."""
+        (nothing lost: bytes read stay buffered) or the stream broke (every request fails).
+        ``sock``: the connection's reading socket (its own timeout: senders set theirs)."""
+        size = frames.PREFIX.size
         try:
             while not p.done:
-                if self._take_frames(gen):
+                if len(self._buf) >= size and self._take_frames(gen):
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -240,11 +260,10 @@ class ControlClient:
                 if sock is None:  # (a reset between; its requests are failed)
                     time.sleep(min(left, 0.001))
                     return
-                if not _ready(sock, select.POLLIN, left):
-                    continue
+                sock.settimeout(left)
                 try:
                     data = sock.recv(1 << 16)
-                except (BlockingIOError, InterruptedError, socket.timeout):  # (readable, yet nothing: again)
+                except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
                     continue
                 if not data:
                     raise ConnectionError("connection closed by peer")
@@ -252,6 +271,8 @@ class ControlClient:
                     if gen != self._gen:
                         return
                     self._buf += data
+                    if len(self._buf) >= size:
+                        self._take_frames_locked(gen)
         except (AuthenticationError, MetadataError) as exc:
             self._broken(gen, exc)
         except (OSError, ValueError, ConnectionError, XferError) as exc:
@@ -261,42 +282,46 @@ class ControlClient:
 
     def _take_frames(self, gen: int) -> bool:
         """Hand every whole reply frame buffered to its request; True if one was."""
-        took = False
         with self._cv:
-            while gen == self._gen:
-                buf, size = self._buf, frames.PREFIX.size
-                if len(buf) < size:
+            return self._take_frames_locked(gen)
+
+    def _take_frames_locked(self, gen: int) -> bool:
+        """:meth:`_take_frames` for a caller holding ``_cv``."""
+        took = False
+        while gen == self._gen:
+            buf, size = self._buf, frames.PREFIX.size
+            if len(buf) < size:
+                break
+            kind, _, _, hlen, plen, rseq, rmac = frames.PREFIX.unpack_from(buf)
+            if kind == Kind.REJECT:
+                if len(buf) < size + min(hlen, frames.REJECT_MAX):
                     break
-                kind, _, _, hlen, plen, rseq, rmac = frames.PREFIX.unpack_from(buf)
-                if kind == Kind.REJECT:
-                    if len(buf) < size + min(hlen, frames.REJECT_MAX):
-                        break
-                    code, why = frames.parse_reject(bytes(buf[size:size + min(hlen, frames.REJECT_MAX)]))
-                    cls = AuthenticationError if code == Reject.AUTH else PeerDisconnectedError
-                    if code == Reject.AUTH and "stale metadata" in why:
-                        cls = MetadataError
-                    raise cls(f"peer {self.peer!r} refused: {why}")
-                if kind != Kind.REPLY:
-                    raise PeerDisconnectedError(f"{self._where()} sent a frame of kind {kind} for a reply")
-                if hlen > self._max_header or plen > _REPLY_PAYLOAD_MAX:
-                    raise PeerDisconnectedError(f"{self._where()} sent a reply of {hlen}+{plen} bytes")
-                end = size + hlen + plen
-                if len(buf) < end:
-                    break
-                rh, rp = bytes(buf[size:size + hlen]), bytes(buf[size + hlen:end])
-                del buf[:end]
-                if not self._inflight:
-                    raise PeerDisconnectedError(f"{self._where()} sent a reply to no request")
-                self._session.open(rseq, Kind.REPLY, rh, rp, rmac)
-                reply = loads(rh, max_bytes=self._max_header, what=f"reply header from {self.peer!r}")
-                p = self._inflight.popleft()
-                if p.abandoned:
-                    self._abandoned -= 1
-                p.reply, p.done = (reply, rp), True
-                self._used = time.monotonic()
-                took = True
-            if took:
-                self._cv.notify_all()
+                code, why = frames.parse_reject(bytes(buf[size:size + min(hlen, frames.REJECT_MAX)]))
+                cls = AuthenticationError if code == Reject.AUTH else PeerDisconnectedError
+                if code == Reject.AUTH and "stale metadata" in why:
+                    cls = MetadataError
+                raise cls(f"peer {self.peer!r} refused: {why}")
+            if kind != Kind.REPLY:
+                raise PeerDisconnectedError(f"{self._where()} sent a frame of kind {kind} for a reply")
+            if hlen > self._max_header or plen > _REPLY_PAYLOAD_MAX:
+                raise PeerDisconnectedError(f"{self._where()} sent a reply of {hlen}+{plen} bytes")
+            end = size + hlen + plen
+            if len(buf) < end:
+                break
+            rh, rp = bytes(buf[size:size + hlen]), bytes(buf[size + hlen:end])
+            del buf[:end]
+            if not self._inflight:
+                raise PeerDisconnectedError(f"{self._where()} sent a reply to no request")
+            self._session.open(rseq, Kind.REPLY, rh, rp, rmac)
+            reply = loads(rh, max_bytes=self._max_header, what=f"reply header from {self.peer!r}")
+            p = self._inflight.popleft()
+            if p.abandoned:
+                self._abandoned -= 1
+            p.reply, p.done = (reply, rp), True
+            self._used = time.monotonic()
+            took = True
+        if took and self._waiting:
+            self._cv.notify_all()
         return took
 
     def _broken(self, gen: int, error: XferError) -> None:
@@ -333,9 +358,15 @@ class ControlClient:
             raise AuthenticationError(f"{self._where()} does not prove the shared secret (wrong secret, or not the "
                                       f"agent its metadata names)")
         with self._cv:
+            stale = []
+            if not self._reading:  # (else the reader closes them when it is done)
+                stale, self._stale = self._stale, []
+            self._rsock = self._sock.dup()
             self._session = Session(key, outgoing=True)
             self._buf += self._rest  # (nothing comes before the first reply; were it so, it is read as one)
             self._rest = b""
+        for old in stale:
+            old.close()
         self._proof = frames.frame(Kind.PROOF, frames.client_proof(key, transcript, welcome.proof))
         self._idle_s = max(welcome.idle_s - 1.0, welcome.idle_s * 0.5)
 
