@@ -436,28 +436,31 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
 
 
 def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(pair, monkeypatch):
-    """Every copy waits for the peer's grant, asked by the worker thread (never the posting one):
-    a post returns at once whatever is queued, jobs queued together are granted in one message,
-    and launches keep posting order (three writes of one destination block from different
-    sources: the last one's bytes are what remain)."""
+    """Every copy waits for the peer's grant, asked by the posting thread when nothing waits
+    before it (one send, no wait: issue 32), else by the worker: a post returns at once whatever
+    is queued, jobs queued together are granted in one message, and launches keep posting order
+    (three writes of one destination block from different sources: the last one's bytes are
+    what remain)."""
     from xfer.transports import completion
     from xfer.transports.onesided import transport as onesided
 
     launched, gate, grants = [], threading.Event(), []
-    real_launch, real_grants = onesided.OneSidedTransport._launch, completion.request_grants
+    real_launch, real_ask = onesided.OneSidedTransport._launch, completion.ask_grants
 
-    def launch(self, job):
+    def launch(self, job, prep=None):
         if job.notify == b"held":
             assert gate.wait(10)
         launched.append((job.notify, threading.current_thread().name))
-        return real_launch(self, job)
+        return real_launch(self, job, prep)
 
-    def request(jobs, *args):
-        grants.append(len(jobs))
-        return real_grants(jobs, *args)
+    def ask(jobs, *args, **kw):
+        out = real_ask(jobs, *args, **kw)
+        if out is not None:
+            grants.append(len(jobs))
+        return out
 
     monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
-    monkeypatch.setattr(onesided, "request_grants", request)
+    monkeypatch.setattr(onesided, "ask_grants", ask)
     me = threading.current_thread().name
     pair.a.write(pair.peer, [1], [1], notify=b"first").wait()
     held = pair.a.write(pair.peer, [2], [6], notify=b"held")  # held at launch, on the worker
@@ -487,9 +490,9 @@ def test_a_reads_stream_copy_launches_on_the_posting_thread_when_nothing_waits(p
 
     launched, real_launch = [], onesided.OneSidedTransport._launch
 
-    def launch(self, job):
+    def launch(self, job, prep=None):
         launched.append((job.notify, threading.current_thread().name))
-        return real_launch(self, job)
+        return real_launch(self, job, prep)
 
     monkeypatch.setattr(onesided.OneSidedTransport, "_launch", launch)
     # CPU tensors with a "stream": the copy still runs on the host, at launch
@@ -586,3 +589,75 @@ def test_a_stop_reads_stopping_until_the_transport_fenced_it():
         transfer_waiting.wait(timeout=0.05)
     assert t.stop(AgentClosedError("closed")) is False and t.fail(PeerDisconnectedError("x"))
     assert t.poll() is S.TIMED_OUT
+
+
+def test_a_write_refused_at_its_grant_after_its_copy_was_prepared_lands_nothing(pair, monkeypatch):
+    """Issue 32: the worker prepares a WRITE's copy (bound copy, path, ids staged for the launch)
+    while its grant request travels. A WRITE the target refuses (blocks an unfenced transfer of
+    another initiator holds) after that preparation ran moves no byte, its prepared resources are
+    given back (``_release``), and a later write of the same blocks, once the holder ended, lands."""
+    from xfer.errors import BlocksBusyError
+    from xfer.transports.onesided import transport as onesided
+
+    prepared, released = [], []
+    real_prepare, real_release = onesided.OneSidedTransport._prepare, onesided._release
+
+    def prepare(self, job):
+        prep = real_prepare(self, job)
+        prep.staged = None  # (a host copy stages nothing; stand in for a stream copy's uploaded ids)
+        prepared.append((job.transfer.id, prep))
+        return prep
+
+    def release(prep):
+        released.append(prep)
+        return real_release(prep)
+
+    monkeypatch.setattr(onesided.OneSidedTransport, "_prepare", prepare)
+    monkeypatch.setattr(onesided, "_release", release)
+    region = pair.b._regions["kv"]
+    other = pair.b._grants.hold(region, np.array([2, 3], dtype=np.int64), writes=True, peer="someone-else",
+                                tid="x", owner=("someone-else", None, "elsewhere"))
+    t = pair.a.write(pair.peer, [1, 4], [2, 3], notify=b"refused")
+    with pytest.raises(BlocksBusyError):
+        t.wait()
+    assert t.poll() is TransferState.FAILED
+    assert [tid for tid, _ in prepared] == [t.id]  # it was prepared before its grant was refused
+    assert released == [prepared[0][1]]  # ... and what it prepared given back
+    assert_untouched(pair.lb, pair.tb, [])  # not a byte landed
+    assert pair.b.notifications() == []
+    pair.b._grants.end(other)
+    pair.a.write(pair.peer, [1, 4], [2, 3], notify=b"after").wait()
+    assert_blocks_equal(pair.la, pair.ta, [1, 4], pair.lb, pair.tb, [2, 3])
+    assert_untouched(pair.lb, pair.tb, [2, 3])
+    assert len(pair.b._grants) == 0
+
+
+def test_back_to_back_writes_of_one_initiator_over_the_same_blocks_need_no_window(pair, monkeypatch):
+    """Issue 32: one initiator's overlapping WRITEs are its own order to keep (the grants' owner
+    rule), so a burst that reuses block sets while earlier writes into them are in flight (the
+    IPC bench's back to back without ``--window``) is granted, launched in posting order (the last
+    write of each set is what remains) and its grant requests are pipelined: the next batch's
+    request leaves before the previous batch's copies launch, several writes to one message."""
+    from xfer.transports import completion
+    from xfer.transports.onesided import transport as onesided
+
+    asks, real_ask = [], completion.ask_grants
+
+    def ask(jobs, *args, **kw):
+        out = real_ask(jobs, *args, **kw)
+        if out is not None:
+            asks.append(len(jobs))
+        return out
+
+    monkeypatch.setattr(onesided, "ask_grants", ask)
+    n = pair.la.num_blocks
+    sets = [[0, 1], [2, 3], [4, 5]]
+    ts = [pair.a.write(pair.peer, [(i + j) % n for j in range(2)], sets[i % 3], notify=b"%d" % i) for i in range(24)]
+    for t in ts:
+        assert t.wait() is TransferState.DONE
+    for k, dst in enumerate(sets):  # the last write of set k was i = 21 + k: sources 21 + k, 22 + k
+        last = 21 + k
+        assert_blocks_equal(pair.la, pair.ta, [last % n, (last + 1) % n], pair.lb, pair.tb, dst)
+    assert [x.payload for x in pair.b.notifications()] == [b"%d" % i for i in range(24)]
+    assert sum(asks) == 24 and len(asks) < 24, asks  # queued writes asked together
+    assert len(pair.b._grants) == 0

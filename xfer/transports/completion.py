@@ -2,8 +2,10 @@
 transports, and NVSHMEM's reads and empty transfers), over the agents' control channel:
 
 - before any byte of a WRITE moves it asks the peer for a grant of its transfers
-  (:func:`request_grants`, one message for several): the peer checks region, layout fingerprint,
-  ids and the request's age, and holds the blocks (a refused one moves nothing). A READ writes
+  (:func:`request_grants`, one message for several; :func:`ask_grants` sends it and returns at
+  once, :func:`await_grants` takes the reply, so the copy is prepared meanwhile): the peer checks
+  region, layout fingerprint, ids and the request's age, and holds the blocks (a refused one
+  moves nothing). A READ writes
   only this side's memory: it copies at once, and its notice says when the copy began (the peer
   refuses it if its blocks were written or revoked since: xfer.transports.grants.check_read);
 - once its copy ended it tells the peer which of its blocks were written or read, naming the grant
@@ -29,7 +31,8 @@ from .. import errors
 from ..error_codec import reply_error
 from .base import Job
 
-__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "end_grants"]
+__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
+           "await_grants", "GrantAsk", "end_grants"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,16 +85,50 @@ def notify_peer_batch(jobs: list[Job], sender: str, host: str = "", grace: float
             for i in range(len(jobs))]
 
 
-def request_grants(jobs: list[Job], sender: str, host: str) -> list[errors.XferError | None]:
-    """Ask the peer (one, ``jobs[0].peer``) to grant every job's blocks, in one message; set each
-    granted job's ``grant`` and return each one's refusal (None: granted). Raises when the message
-    itself failed (then nothing was granted, or :func:`end_grants` by transfer id ends it)."""
+class GrantAsk:
+    """A grant request of ``jobs`` (one peer) on its way: :func:`await_grants` takes the reply.
+    ``pending``: the control client's pending reply (the request is sent); None where the peer's
+    channel takes one request at a time (then it is sent when awaited)."""
+
+    __slots__ = ("jobs", "header", "deadline", "client", "pending")
+
+    def __init__(self, jobs: list[Job], header: dict, deadline: float, client=None, pending=None):
+        self.jobs, self.header, self.deadline, self.client, self.pending = jobs, header, deadline, client, pending
+
+
+def _pipelined(peer):
+    """The peer's control client where it takes several requests in flight (xfer.control_client), else None."""
+    client = getattr(peer.request, "__self__", None)
+    return client if callable(getattr(client, "submit", None)) else None
+
+
+def ask_grants(jobs: list[Job], sender: str, host: str, *, block: bool = True) -> GrantAsk | None:
+    """Send the grant request of ``jobs`` (one peer, ``jobs[0].peer``; one message) and return at
+    once; :func:`await_grants` takes the reply. ``block`` False: None where it cannot be sent
+    without waiting (the channel busy or not connected yet), nothing sent. Raises when sending failed
+    (then nothing was granted)."""
     now = time.monotonic()
     header = {"type": "grant", **_who(sender, host), "transfers": [
         {"transfer_id": j.transfer.id, "op": j.op.value, "region": j.peer_region.name,
          "blocks": j.peer_ids.tolist(), "fingerprint": _fingerprint(j.peer_region.layout),
          "ttl": max(j.transfer.deadline - now, 0.0), "sent": now} for j in jobs]}
-    reply, _ = jobs[0].peer.request(header, deadline=min(j.transfer.deadline for j in jobs))
+    deadline = min(j.transfer.deadline for j in jobs)
+    client = _pipelined(jobs[0].peer)
+    if client is None:
+        return GrantAsk(jobs, header, deadline) if block else None
+    pending = client.submit(header, deadline=deadline, block=block)
+    return None if pending is None else GrantAsk(jobs, header, deadline, client, pending)
+
+
+def await_grants(ask: GrantAsk) -> list[errors.XferError | None]:
+    """The reply to ``ask``: set each granted job's ``grant`` and return each one's refusal (None:
+    granted). Raises when the message itself failed (then nothing was granted, or
+    :func:`end_grants` by transfer id ends it)."""
+    jobs = ask.jobs
+    if ask.pending is None:
+        reply, _ = jobs[0].peer.request(ask.header, deadline=ask.deadline)
+    else:
+        reply, _ = ask.client.result(ask.pending, ask.deadline)
     name = jobs[0].peer.name
     raise_remote(reply, name)
     granted, failed = reply.get("grants") or {}, reply.get("failed") or {}
@@ -105,6 +142,13 @@ def request_grants(jobs: list[Job], sender: str, host: str) -> list[errors.XferE
             out.append(reply_error({"ok": False, **failed[str(i)]}, name) if str(i) in failed else
                        errors.TransportError(f"peer {name!r} answered no grant for transfer {job.transfer.id}"))
     return out
+
+
+def request_grants(jobs: list[Job], sender: str, host: str) -> list[errors.XferError | None]:
+    """Ask the peer (one, ``jobs[0].peer``) to grant every job's blocks, in one message; set each
+    granted job's ``grant`` and return each one's refusal (None: granted). Raises when the message
+    itself failed (then nothing was granted, or :func:`end_grants` by transfer id ends it)."""
+    return await_grants(ask_grants(jobs, sender, host))
 
 
 def end_grants(jobs: list[Job], sender: str, deadline: float, by_id: bool = False) -> None:

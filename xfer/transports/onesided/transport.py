@@ -7,21 +7,27 @@ age, and holds the blocks: see :mod:`xfer.transports.completion`); a READ writes
 memory and copies at once (its notice is checked against what the peer changed meanwhile).
 
 A worker thread takes the posted jobs in order, asks for the grants of every WRITE queued to one
-peer in one message, then launches their copies: queued on a CUDA stream (a launch returns at
-once), or run on the host in chunks, checking between chunks for a stop (cancel, deadline) and the
-peer's liveness. A completer thread waits for each job's copy, then notifies the peer (several
+peer in one message, prepares their copies while the reply travels (the bound copy and the peer's
+tensors, the path, the chunking; for one kernel launch on a stream, its block ids uploaded to the
+device), then launches them: queued on a CUDA stream (a launch returns at once), or run on the
+host in chunks, checking between chunks for a stop (cancel, deadline) and the peer's liveness. The
+control channel takes several requests in flight (xfer.control_client), so the next jobs' grant
+request leaves before this batch's copies launch. A WRITE refused at its grant releases what its
+preparation took; nothing of it moved. A completer thread waits for each job's copy, then notifies the peer (several
 jobs to one peer in one message under load). A stopped job is fenced once its copy ended (the
 chunk in flight, or the kernels queued on the stream); it then ends its grant at the peer (retried
 until the peer hears it) and reports the stop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 import time
 from abc import abstractmethod
 
+import numpy as np
 import torch
 
 from ...errors import PeerDisconnectedError, TransportError, XferError
@@ -29,7 +35,7 @@ from ...shm import pid_alive
 from ...transfer import Op
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
-from ..completion import complete_notified, end_grants, request_grants
+from ..completion import ask_grants, await_grants, complete_notified, end_grants
 
 __all__ = ["OneSidedTransport"]
 
@@ -48,6 +54,14 @@ class OneSidedTransport(Transport):
     """
 
     describe_copy = False
+    # issue 32, measured switches (class attributes: set by the benches' options, not settings yet):
+    # ask_inline: a lone WRITE's grant request is sent by the posting thread (one send, no wait)
+    # instead of the worker. Off: on the 2-core CPU VM it added ~100 us to write() and took nothing
+    # off the call-to-granted time (the send cost what the hand-off saved).
+    ask_inline = False
+    # stage_ids: a kernel stream copy's block ids are uploaded while the grant request travels, the
+    # launch after the reply is the kernel's alone
+    stage_ids = True
     # the completer waits for a copy in cudaEventSynchronize (no poll); not where a copy's stream
     # may wait on memory only this process's later work sets (NVSHMEM: with it, the two-PE
     # deadline test failed on the H200; with the poll it passed)
@@ -101,8 +115,25 @@ class OneSidedTransport(Transport):
                 t.begin()
                 self._start(job)
                 return
+            # (ask_inline) a WRITE when nothing waits before it: its grant request leaves now
+            # (one send, no wait), so the worker's wake-up and the copy's preparation overlap the round trip
+            ask = self._ask_now(job) if self._inline and self.ask_inline and job.op is Op.WRITE and self._queued == 0 \
+                else None
             self._queued += 1
-            self._jobs.put(job)
+            self._jobs.put((job, ask))
+
+    def _ask_now(self, job: Job):
+        """Send ``job``'s grant request from the posting thread where the channel takes it without
+        waiting (a GrantAsk); None: the worker asks; an exception: sending failed (the worker ends it)."""
+        if job.transfer.cancel_requested:
+            return None
+        try:
+            ask = ask_grants([job], self.ctx.agent_name, self.ctx.host_id, block=False)
+        except BaseException as exc:  # noqa: BLE001 - reported by the worker, with the grant ended by id
+            return exc
+        if ask is not None:
+            job.transfer.mark("asked")
+        return ask
 
     def _launches_async(self, job: Job) -> bool:
         """Whether the job's copy is queued on a stream (a launch returns at once) rather than run here."""
@@ -135,8 +166,8 @@ class OneSidedTransport(Transport):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.transfer.fail(TransportError(f"{self.kind.value} transport closed"))
+            if job is not None:  # (the worker took every job before it ended: none was asked for)
+                job[0].transfer.fail(TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
         for region in self.ctx.regions():
             self.release_region(region)
@@ -156,72 +187,125 @@ class OneSidedTransport(Transport):
 
     def _run(self) -> None:
         """Worker: take the posted jobs in order (every one queued now), ask each peer for their
-        grants in one message, launch the granted jobs' copies and hand them to the completer, so
-        the copy of one transfer overlaps the completion round trip of the previous one."""
+        grants in one message and prepare their copies while the replies travel, then launch the
+        granted jobs' copies and hand them to the completer, so the copy of one transfer overlaps
+        the completion round trip of the previous one. Pipelined: the next jobs' grant requests
+        leave before this batch's copies launch (their round trip overlaps this batch's wait and
+        launch)."""
+        ahead = None  # a batch whose grant requests are out, to launch next
         while True:
-            batch, last = [self._jobs.get()], False
-            while batch[-1] is not None and len(batch) < BATCH_MAX:
-                try:
-                    batch.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            if batch[-1] is None:
-                batch.pop()
-                last = True
-            granted = {id(j) for j in self._granted(batch)}
-            for job in batch:  # in posting order; a stream launch under _order, as a posting thread's
-                if id(job) in granted and self._launches_async(job):
-                    with self._order:
-                        self._start(job)
-                        self._queued -= 1
-                    continue
-                if id(job) in granted:
-                    self._start(job)  # a host copy may take long: posts queue behind it, not waiting on it
-                with self._order:
-                    self._queued -= 1
+            items, last = self._take(block=ahead is None)
+            batch = self._ask(items) if items else None
+            if ahead is not None:
+                self._go(ahead)
+            ahead = batch
             if last:
+                if ahead is not None:
+                    self._go(ahead)
                 self._done.put(None)
                 return
 
-    def _granted(self, batch: list[Job]) -> list[Job]:
-        """The jobs of ``batch`` the peers granted (in order); the others are ended, nothing moved."""
-        by_peer = {}
-        reads = set()
-        for job in batch:
+    def _take(self, block: bool) -> tuple[list, bool]:
+        """(the jobs queued now, in order, at most BATCH_MAX; whether the transport closes after
+        them). ``block``: wait for the first one."""
+        try:
+            first = self._jobs.get() if block else self._jobs.get_nowait()
+        except queue.Empty:
+            return [], False
+        items = [first]
+        while items[-1] is not None and len(items) < BATCH_MAX:
+            try:
+                items.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        if items[-1] is None:
+            items.pop()
+            return items, True
+        return items, False
+
+    def _ask(self, items: list) -> tuple:
+        """Begin the jobs of ``items`` ((job, its grant request or None)), send each peer the grant
+        request of its WRITEs not asked for yet (one message), and prepare every copy while the
+        replies travel. Returns the batch for :meth:`_go`."""
+        jobs, asks, by_peer, dropped = [], [], {}, set()
+        for job, ask in items:
+            jobs.append(job)
             t = job.transfer
+            if ask is not None:  # asked when posted: its reply is awaited whatever happens next
+                t.begin()
+                asks.append(([job], ask))
+                continue
             if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
                 t.fail(t.error)
+                dropped.add(id(job))
                 continue
             t.begin()
-            if job.op is Op.READ:  # writes only this side's memory: no grant (its notice is checked)
-                reads.add(id(job))
-            else:
+            if job.op is not Op.READ:  # a READ writes only this side's memory: no grant (its notice is checked)
                 by_peer.setdefault(id(job.peer), []).append(job)
-        for jobs in by_peer.values():
+        for group in by_peer.values():
             try:
-                self._check_alive(jobs[0])
-                refused = request_grants(jobs, self.ctx.agent_name, self.ctx.host_id)
+                self._check_alive(group[0])
+                asks.append((group, ask_grants(group, self.ctx.agent_name, self.ctx.host_id)))
+                for job in group:
+                    job.transfer.mark("asked")
             except BaseException as exc:  # noqa: BLE001 - the message failed: maybe granted, its reply lost
-                self._end_later(jobs, by_id=True)
-                for job in jobs:
-                    self._fail(job, exc)
-                continue
-            for job, error in zip(jobs, refused):
-                if error is not None:
-                    self._fail(job, error)
-                else:
-                    job.transfer.mark("granted")
-        return [job for job in batch if job.grant is not None or id(job) in reads]
+                asks.append((group, exc))
+        preps = {}
+        for job in jobs:  # everything that touches no peer memory, while the replies travel
+            if id(job) not in dropped:
+                try:
+                    preps[id(job)] = self._prepare(job)
+                except BaseException as exc:  # noqa: BLE001 - reported once its grant is known
+                    preps[id(job)] = exc
+        return jobs, asks, preps, dropped
 
-    def _start(self, job: Job) -> None:
+    def _go(self, batch: tuple) -> None:
+        """Take the batch's grant replies, then launch the granted jobs' copies in posting order; the
+        others end (their grants ended), nothing of them moved."""
+        jobs, asks, preps, dropped = batch
+        refused = {}
+        for group, ask in asks:
+            if not isinstance(ask, BaseException):
+                try:
+                    self._check_alive(group[0])
+                    for job, error in zip(group, await_grants(ask)):
+                        refused[id(job)] = error
+                        if error is None:
+                            job.transfer.mark("granted")
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - the message failed: maybe granted, its reply lost
+                    ask = exc
+            self._end_later(group, by_id=True)
+            for job in group:
+                refused[id(job)] = ask
+        for job in jobs:  # in posting order; a stream launch under _order, as a posting thread's
+            prep = preps.get(id(job))
+            error = refused.get(id(job))
+            if id(job) in dropped:
+                pass
+            elif error is not None or isinstance(prep, BaseException):
+                _release(prep)
+                self._fail(job, error if error is not None else prep)
+            elif self._launches_async(job):
+                with self._order:
+                    self._start(job, prep)
+                    self._queued -= 1
+                continue
+            else:
+                self._start(job, prep)  # a host copy may take long: posts queue behind it, not waiting on it
+            with self._order:
+                self._queued -= 1
+
+    def _start(self, job: Job, prep=None) -> None:
         """Launch the job's copies and hand it to the completer."""
         job.started = time.monotonic()
         job.transfer.mark("started")
         try:
-            event = self._launch(job)
+            event = self._launch(job, prep)
             job.transfer.mark("launched")
             self._done.put((job, event))
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer (its copy ended)
+            _release(prep)
             self._fail(job, exc)
 
     def _complete(self) -> None:
@@ -342,8 +426,11 @@ class OneSidedTransport(Transport):
             return BoundCopy(local.layout, local.tensors, rec.layout, peer_tensors)
         return BoundCopy(rec.layout, peer_tensors, local.layout, local.tensors)
 
-    def _launch(self, job: Job):
-        """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
+    def _prepare(self, job: Job) -> "_Prep":
+        """What a job's copy needs besides the peer's permission: the bound copy (the peer's
+        tensors mapped once), the path, the stream, the chunking; for one stream launch of the
+        kernel, its block ids already uploaded to the device (on the copy's stream), so the launch
+        after the grant is only the kernel's. Writes nothing of either side's blocks."""
         bound = self._bound_copy(job)
         t = job.transfer
         src_ids, dst_ids = (job.local_ids, job.peer_ids) if job.op is Op.WRITE else (job.peer_ids, job.local_ids)
@@ -357,6 +444,17 @@ class OneSidedTransport(Transport):
             per_chunk = blocks_per_chunk(len(src_ids), job.local.layout.bytes_per_block, self.ctx.config.chunk_bytes)
         else:  # queued on a stream, a copy runs on regardless: one launch moves every block
             per_chunk = max(1, len(src_ids))
+        prep = _Prep(bound, src_ids, dst_ids, chosen if chosen.value in _REQUESTABLE else request, stream, per_chunk)
+        if stream is not None and len(src_ids) and chosen.value == "triton" and self.stage_ids:
+            prep.staged = _stage_ids(bound, prep.src_ids, prep.dst_ids, stream)
+        return prep
+
+    def _launch(self, job: Job, prep: "_Prep | None" = None):
+        """Queue every chunk's copy; returns the last chunk's event (None when copies ran synchronously)."""
+        if prep is None:
+            prep = self._prepare(job)
+        t = job.transfer
+        bound, src_ids, dst_ids, stream, per_chunk = prep.bound, prep.src_ids, prep.dst_ids, prep.stream, prep.per_chunk
         event, ready = None, job.ready
         for start in range(0, len(src_ids), per_chunk):
             if t.cancel_requested:
@@ -364,11 +462,87 @@ class OneSidedTransport(Transport):
                     event.synchronize()
                 raise t.error
             self._check_alive(job)
+            if prep.staged is not None:  # one launch, its ids on the device already
+                event, prep.staged = _fire(bound, prep.staged, stream, ready), None
+                break
             end = start + per_chunk
             # the completer holds the event (and through it every tensor) until the copy ended:
             # no record_stream per call; the agent checked the ids when the transfer was posted
             event = bound.copy(src_ids[start:end], dst_ids[start:end], stream=stream, wait_event=ready,
-                               record_stream=False, checked=True,
-                               path=chosen if chosen.value in _REQUESTABLE else request)
+                               record_stream=False, checked=True, path=prep.path)
             ready = None
         return event
+
+
+class _Prep:
+    """A job's copy, prepared (:meth:`OneSidedTransport._prepare`); ``staged``: the ids of its one
+    stream launch on the device (:func:`_stage_ids`), until launched or released."""
+
+    __slots__ = ("bound", "src_ids", "dst_ids", "path", "stream", "per_chunk", "staged")
+
+    def __init__(self, bound, src_ids, dst_ids, path, stream, per_chunk):
+        self.bound, self.src_ids, self.dst_ids, self.path = bound, src_ids, dst_ids, path
+        self.stream, self.per_chunk, self.staged = stream, per_chunk, None
+
+
+def _device(stream):
+    return torch.cuda.device(stream.device_index) if stream.device_index != torch.cuda.current_device() else \
+        contextlib.nullcontext()
+
+
+def _stage_ids(bound, src_ids: np.ndarray, dst_ids: np.ndarray, stream) -> tuple:
+    """The first half of the kernel's stream copy (xfer.kernels BoundCopy's lean path): the
+    overlap check and the block ids' upload onto ``stream`` (into the pair's reused buffers).
+    Returns what :func:`_fire` launches, or :func:`_release` gives back."""
+    from xfer.kernels import copy as kcopy  # imports triton
+    from xfer.kernels._dispatch import _pair
+    from xfer.kernels.reference import check_overlap, sides_touch
+
+    s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    touch = bound._touch
+    if touch is None:
+        touch = bound._touch = sides_touch(bound.src.spans, bound.dst.spans)
+    if touch:
+        check_overlap(bound.src_layout, bound.src.tensors, s_ids, bound.dst_layout, bound.dst.tensors, d_ids,
+                      spans=(bound.src.spans, bound.dst.spans), touching=True)
+    with _device(stream):
+        pair = bound._tables.get(stream.device_index)
+        if pair is None:
+            pair = bound._tables[stream.device_index] = _pair(kcopy, bound.src_layout, bound.src, bound.dst_layout,
+                                                              bound.dst, stream.device)
+        ids, entry = pair._upload(s_ids, d_ids, stream)
+    return pair, ids, entry, pair._shape(len(s_ids)), len(s_ids), stream
+
+
+def _fire(bound, staged: tuple, stream, wait_event):
+    """The second half: the kernel launch on ``stream`` (after ``wait_event``), its event."""
+    from xfer.kernels import CopyPath
+    from xfer.kernels import copy as kcopy
+    from xfer.kernels._dispatch import _KeepAliveEvent
+
+    pair, ids, entry, (programs, warps, n_rows, consts, key), n, _ = staged
+    with _device(stream):
+        if wait_event is not None:
+            stream.wait_event(wait_event)
+        kcopy._launch(programs, (pair.table, ids, n, n_rows, *consts), warps, pair.device.index, stream, key)
+        event = _KeepAliveEvent()
+        event.record(stream)
+    pair.release(entry, event)
+    event.keep = (bound.src.tensors, bound.dst.tensors, (pair, ids))  # until the copy ended
+    event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
+    return event
+
+
+def _release(prep) -> None:
+    """Give back what a prepared copy that will not launch holds (its uploaded ids' buffer, once
+    the upload queued on its stream ended)."""
+    staged = getattr(prep, "staged", None)
+    if staged is None:
+        return
+    prep.staged = None
+    pair, ids, entry, _, _, stream = staged
+    if entry is not None:
+        with _device(stream):
+            event = torch.cuda.Event()
+            event.record(stream)
+        pair.release(entry, event)
