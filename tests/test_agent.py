@@ -592,12 +592,13 @@ def test_a_stop_reads_stopping_until_the_transport_fenced_it():
 
 
 def test_a_write_refused_at_its_grant_after_its_copy_was_prepared_lands_nothing(pair, monkeypatch):
-    """Issue 32: the worker prepares a WRITE's copy (bound copy, path, ids staged for the launch)
-    while its grant request travels. A WRITE the target refuses (blocks an unfenced transfer of
+    """Issue 32: the worker prepares a WRITE's stream copy (bound copy, path, ids staged for the
+    launch) while its grant request travels. A WRITE the target refuses (blocks an unfenced transfer of
     another initiator holds) after that preparation ran moves no byte, its prepared resources are
     given back (``_release``), and a later write of the same blocks, once the holder ended, lands."""
     from xfer.errors import BlocksBusyError
     from xfer.transports.onesided import transport as onesided
+    from xfer.transports.onesided.local import LocalTransport
 
     prepared, released = [], []
     real_prepare, real_release = onesided.OneSidedTransport._prepare, onesided._release
@@ -614,6 +615,9 @@ def test_a_write_refused_at_its_grant_after_its_copy_was_prepared_lands_nothing(
 
     monkeypatch.setattr(onesided.OneSidedTransport, "_prepare", prepare)
     monkeypatch.setattr(onesided, "_release", release)
+    # CPU tensors with a "stream" (the copy still runs on the host): prepared while the grant travels, as
+    # a stream copy is
+    monkeypatch.setattr(LocalTransport, "stream", lambda self, job: object())
     region = pair.b._regions["kv"]
     other = pair.b._grants.hold(region, np.array([2, 3], dtype=np.int64), writes=True, peer="someone-else",
                                 tid="x", owner=("someone-else", None, "elsewhere"))

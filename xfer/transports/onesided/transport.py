@@ -7,9 +7,9 @@ age, and holds the blocks: see :mod:`xfer.transports.completion`); a READ writes
 memory and copies at once (its notice is checked against what the peer changed meanwhile).
 
 A worker thread takes the posted jobs in order, asks for the grants of every WRITE queued to one
-peer in one message, prepares their copies while the reply travels (the bound copy and the peer's
-tensors, the path, the chunking; for one kernel launch on a stream, its block ids uploaded to the
-device), then launches them: queued on a CUDA stream (a launch returns at once), or run on the
+peer in one message, prepares their stream copies while the reply travels (the bound copy and the
+peer's tensors, the path; for one kernel launch, its block ids uploaded to the device), then
+launches them: queued on a CUDA stream (a launch returns at once), or run on the
 host in chunks, checking between chunks for a stop (cancel, deadline) and the peer's liveness. The
 control channel takes several requests in flight (xfer.control_client), so the next jobs' grant
 request leaves before this batch's copies launch. A WRITE refused at its grant releases what its
@@ -59,8 +59,9 @@ class OneSidedTransport(Transport):
     # instead of the worker. Off: on the 2-core CPU VM it added ~100 us to write() and took nothing
     # off the call-to-granted time (the send cost what the hand-off saved).
     ask_inline = False
-    # stage_ids: a kernel stream copy's block ids are uploaded while the grant request travels, the
-    # launch after the reply is the kernel's alone
+    # stage_ids: a stream copy (ipc, NVSHMEM direct) is prepared while the grant request travels (its
+    # peer tensors mapped, path, and for a kernel launch its block ids uploaded): the launch after the
+    # reply is the kernel's alone. Off: prepared at its launch, as before issue 32 (host copies always are)
     stage_ids = True
     # the completer waits for a copy in cudaEventSynchronize (no poll); not where a copy's stream
     # may wait on memory only this process's later work sets (NVSHMEM: with it, the two-PE
@@ -225,8 +226,8 @@ class OneSidedTransport(Transport):
 
     def _ask(self, items: list) -> tuple:
         """Begin the jobs of ``items`` ((job, its grant request or None)), send each peer the grant
-        request of its WRITEs not asked for yet (one message), and prepare every copy while the
-        replies travel. Returns the batch for :meth:`_go`."""
+        request of its WRITEs not asked for yet (one message), and prepare the stream copies while
+        the replies travel. Returns the batch for :meth:`_go`."""
         jobs, asks, by_peer, dropped = [], [], {}, set()
         for job, ask in items:
             jobs.append(job)
@@ -251,8 +252,9 @@ class OneSidedTransport(Transport):
             except BaseException as exc:  # noqa: BLE001 - the message failed: maybe granted, its reply lost
                 asks.append((group, exc))
         preps = {}
-        for job in jobs:  # everything that touches no peer memory, while the replies travel
-            if id(job) not in dropped:
+        for job in jobs:  # a stream copy's preparation while the replies travel (a host copy's at its launch:
+            # on the 2-core CPU VM, preparing it early made the grant's reply come 60-90 us later)
+            if id(job) not in dropped and self.stage_ids and self._launches_async(job):
                 try:
                     preps[id(job)] = self._prepare(job)
                 except BaseException as exc:  # noqa: BLE001 - reported once its grant is known
