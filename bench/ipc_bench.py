@@ -155,7 +155,10 @@ def copy_paths_section(args) -> dict:
 def windowed(post, k: int, window: int) -> None:
     """Post ``post(i)`` for i < k and wait for all; with ``window`` > 0 at most that many in flight
     (request i waits for request i - window first: with 8 block sets, no two unfenced transfers
-    share a block, which the targets' grants refuse since issue 29); 0: all at once."""
+    share a block); 0: all at once. One initiator's overlapping writes are granted (the grants'
+    owner rule since c6dc9c6: its own transfers are its own order to keep, and a burst's copies
+    launch in posting order), so no window is needed; it remains to compare with runs that used
+    one (ci/gpu.sh's ``--window 8``)."""
     ts = []
     for i in range(k):
         if window and i >= window:
@@ -207,9 +210,19 @@ def main(argv=None) -> dict:
                    help="after the xfer rows, time cudaMemcpyPeerAsync of the same bytes, device <-> peer device")
     p.add_argument("--pull-burst", action="store_true", help="also time 8 and 128 reads (pulls) back to back")
     p.add_argument("--window", type=int, default=0,
-                   help="back to back: at most this many requests in flight (8: one per block set, as the grants "
-                        "of issue 29 require; 0, the default: a whole burst at once)")
+                   help="back to back: at most this many requests in flight (8: one per block set; 0, the default: "
+                        "a whole burst at once, which the grants allow: one initiator's overlapping writes are its "
+                        "own order to keep)")
+    p.add_argument("--ask-inline", action="store_true",
+                   help="a lone write's grant request sent by the posting thread (OneSidedTransport.ask_inline)")
+    p.add_argument("--no-stage-ids", action="store_true",
+                   help="upload a copy's block ids at its launch, after the grant, not while the grant request "
+                        "travels (OneSidedTransport.stage_ids False: the launch as before issue 32)")
     args = p.parse_args(argv)
+    from xfer.transports.onesided import OneSidedTransport
+
+    OneSidedTransport.ask_inline = args.ask_inline
+    OneSidedTransport.stage_ids = not args.no_stage_ids
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
     dev = f"cuda:{args.device}"
@@ -302,6 +315,9 @@ def main(argv=None) -> dict:
                              "ms": statistics.median(delivered), "p99_ms": delivered[int(0.99 * (len(delivered) - 1))]})
             phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in timelines)
                       for k in timelines[-1]}
+            rtt = [tl["granted"] - tl["asked"] for tl in timelines if "asked" in tl and "granted" in tl]
+            if rtt:  # the grant's round trip, from its request leaving to its reply taken (issue 32)
+                phases["grant round trip (asked to granted)"] = 1e3 * statistics.median(rtt)
             ms, p99 = median_ms(burst, max(3, args.iters // 4))
             rows.append({"name": "xfer write, 8 back to back (per request)", "ms": ms / 8, "p99_ms": p99 / 8})
             # a longer stream: the first request's latency (~3 copies' worth) weighs 1/32, not 1/8
@@ -343,6 +359,7 @@ def main(argv=None) -> dict:
         "one_block_request": {"slices": layout.num_slots, "bytes": layout.bytes_per_block,
                               "p50_ms": lat_ms, "p99_ms": lat_p99},
         "post_us_median": statistics.median(post),
+        "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids},
         "write_timeline_ms": phases,
         **({"peer_ceiling": ceiling} if ceiling is not None else {}),
     }
