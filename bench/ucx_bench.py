@@ -148,6 +148,18 @@ class UcxxPipe:
             r.check_error()
 
 
+def poison(t: torch.Tensor) -> None:
+    """Fill ``t``'s bytes with POISON. Host memory through numpy, on this thread alone: torch's
+    ``fill_`` runs an OpenMP region whose idle worker then spins for milliseconds (5 ms of CPU after
+    each call on the 2-core VM), on the core the timed row right after it needs; with
+    ``XFER_BENCH_TORCH_POISON=1`` (the harness before 2026-12-06) torch's ``fill_`` all the same."""
+    b = t.view(-1).view(torch.uint8)
+    if b.is_cuda or os.environ.get("XFER_BENCH_TORCH_POISON") == "1":
+        b.fill_(POISON)
+    else:
+        b.numpy().fill(POISON)
+
+
 def tuned_options() -> dict:
     from xfer.settings import UcxSettings
 
@@ -195,7 +207,7 @@ def serve(bind: str, device: str) -> None:
             case = cmd["case"]
             tensors, layout = make_kv_cache(KIND, device=dev, **dims_of(case))
             for t in tensors:
-                t.view(-1).view(torch.uint8).fill_(POISON)
+                poison(t)
             if cuda:  # the initiator's chunks are scattered on another stream: the poison lands first
                 torch.cuda.synchronize(dev)
             agent = Agent("bench-dst", AgentConfig(transport="ucx", listen_host=bind, default_timeout_s=60))
@@ -231,7 +243,7 @@ def serve(bind: str, device: str) -> None:
             reply(digest=digest(state["buf"]))
         elif op == "poison":  # between timed writes: each one is checked on fresh poison
             for t in state["tensors"]:
-                t.view(-1).view(torch.uint8).fill_(POISON)
+                poison(t)
             if cuda:
                 torch.cuda.synchronize(dev)
             reply(ok=True)
