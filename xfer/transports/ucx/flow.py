@@ -44,9 +44,6 @@ RECV_AHEAD_IN_PLACE = 2
 # Device chunks: the next chunk's cuda_ipc copy (or RDMA) runs while the engine launches this one's
 # scatter (~0.1-0.3 ms of host time on the H200 VM); with one posted, that time added to every chunk
 RECV_AHEAD_DEVICE = 2
-# A host transfer of at most this many bytes whose chunks are copied on the engine thread is
-# "small": while only such flows live the engine polls instead of sleeping (loop.SPIN_S)
-SPIN_BYTES = 4 << 20
 
 
 def in_place(engine, sending: bool, copier: BlockCopier, pool, sender_layout: KVLayout) -> bool:
@@ -85,7 +82,7 @@ class Flow:
                  "sender_layout", "chunks", "xid", "next", "inflight", "finished_chunks", "arrived",
                  "pending", "dead", "pool", "tid", "region", "notify", "peer_name", "started", "sending",
                  "depth", "queued", "receiving", "ready", "iov", "iov_rx", "held", "dev_reqs", "stopping",
-                 "stop_until", "peer_fenced", "confirm", "hold", "requested", "fin_sent", "peer_pid", "sends", "small")
+                 "stop_until", "peer_fenced", "confirm", "hold", "requested", "fin_sent", "peer_pid", "sends")
 
     def __init__(self, engine, *, key: int, initiator: bool, op: Op, conn, deadline: float,
                  copier: BlockCopier, ids: np.ndarray, sender_layout: KVLayout, chunks: tuple[Chunk, ...],
@@ -126,9 +123,6 @@ class Flow:
         self.fin_sent = False  # initiator of a READ: every chunk landed, FIN sent (the target may deliver)
         self.peer_pid = None  # initiator: the peer's process where it runs on this host (its death is seen)
         self.sends = 0  # UCX sends in flight (on a closed connection they may never end, nor touch anything)
-        # small host transfer, every chunk copied inline (loop.SPIN_S: the engine polls while it lives)
-        self.small = pool.kind == "host" and sum(c.nbytes for c in chunks) <= SPIN_BYTES and \
-            max((c.nbytes for c in chunks), default=0) <= engine.settings.inline_bytes
 
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "target"

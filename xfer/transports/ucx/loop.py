@@ -3,12 +3,11 @@
 Progress model: the worker runs in UCX's blocking mode. The thread drains ``progress_once``,
 handles what completed, then arms the worker and sleeps in ``epoll`` on the worker's event fd
 and a wake eventfd (posts, copy completions, cancellations) until something happens or the
-nearest deadline. An idle agent costs nothing; a busy one wakes once per event, except while
-every live flow is a small host transfer: then the loop polls for up to ``SPIN_S`` after its last
-event (a lone small transfer is a chain of short steps, each waiting on a wake-up otherwise).
-Device work is the other exception: a CUDA event and a ``cuda_ipc`` completion wake no fd, so
-while a device copy or a live flow's device UCX request is in flight the loop polls (yielding the
-GIL each turn, napping 50 us after 1 ms without progress). All UCX calls happen on this thread.
+nearest deadline. No busy polling on host memory: an idle agent costs nothing, a busy one wakes
+once per event. Device work is the exception: a CUDA event and a ``cuda_ipc`` completion wake no
+fd, so while a device copy or a live flow's device UCX request is in flight the loop polls
+(yielding the GIL each turn, napping 50 us after 1 ms without progress). All UCX calls happen on
+this thread.
 
 The engine's parts, each one file: the I/O back end, chosen once (``io_raw``: raw libucp calls
 that can move host chunks in place; else ``io_ucxx``), the tables of connections and flows
@@ -35,18 +34,7 @@ from .slots import Slots
 from .staging import Copier
 from .tables import Connections, Flows
 
-__all__ = ["Engine", "choose_io", "SPIN_S"]
-
-# While every live flow is a small host transfer (flow.SPIN_BYTES, chunks copied on this thread),
-# the loop polls the worker instead of sleeping in epoll, for up to SPIN_S after the last turn that
-# did something: a lone small transfer is a chain of short steps on both sides (REQ, rendezvous,
-# ACK), each of which waited for a wake-up from epoll. On the 2-core VM (both processes unpinned)
-# a lone 2 MiB write of 512 B blocks took a median 2.9 ms sleeping and 1.6-1.7 ms polling (interleaved
-# in one run: bench/ucx_trace.py, bench/results/2026-12-06-cpu-ucx-lone.md), with no more CPU a
-# write (a vCPU that went idle is slow to wake, and the scheduler then packed both engine threads
-# on one core). Large transfers keep sleeping between events: there the copy thread and the peer
-# need the cores (64 MiB of 4 KiB blocks: 41 ms polling against 35 ms sleeping).
-SPIN_S = 1e-3
+__all__ = ["Engine", "choose_io"]
 
 
 def _gil_held_write():
@@ -158,7 +146,6 @@ class Engine:
         self._dev_copies = 0
         self._closing = False
         self._sleeping = False
-        self.spin_s = SPIN_S  # see SPIN_S (an attribute: a benchmark may set 0 to compare)
         self._copier = Copier(f"xfer-ucx-copy-{ctx.agent_name}")
         self.io, self.io_why = choose_io(ucx, self.worker, settings)
         self.conns, self.slots = Connections(self), Slots(settings)
@@ -185,16 +172,11 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         idle_since = None
-        last_busy = 0.0
         try:
             while not (self._closing and not self._reqs):
                 busy = self._step()
                 if busy:
                     idle_since = None
-                    last_busy = time.monotonic()
-                    continue
-                if self.spin_s and time.monotonic() - last_busy < self.spin_s and self.flows.only_small():
-                    time.sleep(0)  # see SPIN_S; lets other threads take the GIL
                     continue
                 if self._dev_copies or self.flows.device_reqs():  # see __init__; bounded by the flows' deadlines
                     now = time.monotonic()

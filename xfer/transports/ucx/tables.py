@@ -136,13 +136,6 @@ class Flows:
     def live(self):
         return itertools.chain(self._initiators.values(), self._targets.values())
 
-    def only_small(self) -> bool:
-        """Whether some flow lives and every live one is small (``Flow.small``: the engine polls
-        rather than sleeps while this holds, loop.SPIN_S)."""
-        if not (self._initiators or self._targets):
-            return False
-        return all(f.small for f in self.live())
-
     def device_reqs(self) -> bool:
         """Whether a live flow has a UCX request on device memory in flight (a dropped flow's
         requests may wait on a frozen peer: they are not polled for)."""
