@@ -30,6 +30,7 @@ import argparse
 import collections
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import threading
@@ -363,8 +364,12 @@ def main():
         EVENTS.clear()
         GC.clear()
         CPU.clear()
-        for i in range(args.writes):
-            k = i % (len(variants) + 1)
+        order, rng = [], random.Random(7)
+        for i in range(args.writes):  # each cycle of kinds in a new random order: no kind always follows another
+            if not order:
+                order = list(range(len(variants) + 1))
+                rng.shuffle(order)
+            k = order.pop()
             conn.send(("poison", k))
             conn.recv()
             time.sleep(args.gap_ms / 1e3)
