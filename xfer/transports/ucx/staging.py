@@ -3,21 +3,14 @@ range of blocks x a range of layers, planned by ``xfer.transports.chunking``) in
 slot, on a copy thread.
 
 Host regions whose blocks are whole rows of their base tensors (every layout xfer names except
-packed K|V) take one call per chunk each way, in numpy on the calling thread: the gather is one
-``np.take`` of whole rows (one ``np.void`` element a block) from a view spanning every base tensor
-(a fancy read where rows sit at a finer grain than a block: ``np.take`` would copy the whole span
-first), the scatter one numpy fancy assignment of whole rows into the same view. Measured on the
+packed K|V) take one call per chunk each way: the gather is one torch ``index_select`` over a
+read-only row view spanning every base tensor, the scatter one numpy fancy assignment of whole
+rows (one ``np.void`` element a block) into a writable view of the same span. Measured on the
 2-core CPU VM (GB/s, 16 MiB chunks of 32 KiB / 4 KiB blocks, 512 KiB of 512 B blocks): gather
 index_select 4.8 / 5.5 / 6.5 against 1.5 / 1.1 / 0.1 for ``xfer.kernels.gather`` (numpy per
 slot); scatter void rows 5.9 / 4.7 / 10.7 against 2.2 / 2.0 / 0.5 for torch ``index_copy_`` and
-2.0 / 2.1 / 0.2 for ``xfer.kernels.scatter``. The gather was torch's ``index_select`` until
-2026-12-06. Single-threaded, ``np.take`` (``mode="clip"``) matches it (warm, 2 / 16 / 16 MiB of
-512 B / 4 KiB / 32 KiB rows: 53 / 1,107 / 854 us against 72 / 1,129 / 1,338), the fancy read
-costs more (2 MiB of 512 B rows at a 64-byte grain: 118 us against 72); but with torch's default
-threads ``index_select`` runs an OpenMP region whose idle worker then spins for about 5 ms of
-CPU after every call, on the core the peer's engine needs on a small host. Everything else,
-CUDA regions and order conversions included, goes through ``xfer.kernels.gather`` / ``scatter``
-(one launch on CUDA).
+2.0 / 2.1 / 0.2 for ``xfer.kernels.scatter``. Everything else, CUDA regions and order
+conversions included, goes through ``xfer.kernels.gather`` / ``scatter`` (one launch on CUDA).
 """
 
 from __future__ import annotations
@@ -138,7 +131,7 @@ class BlockCopier:
     Host fast path (blocks are whole rows of their base tensors): ``span`` is a view of rows at
     the gcd of all row addresses over the address range of every base tensor (rows may overlap
     and the range may hold gaps: only rows of the region's own blocks are ever indexed). A gather
-    is ONE ``np.take`` from its rows; a scatter ONE numpy assignment into ``wspan``, the same rows
+    is ONE ``index_select`` from it; a scatter ONE numpy assignment into ``wspan``, the same rows
     as ``np.void`` elements of a block's bytes (the ids of a transfer that writes are unique, so
     no two written rows overlap).
     """
@@ -194,13 +187,8 @@ class BlockCopier:
         """Blocks ``ids`` of layers l0:l1 into ``out`` (``[layers, K, len(ids), block]`` bytes)."""
         if not self.rows:
             return self._kernel_gather(ids, l0, l1, out)
-        wrows, index = self.span[1], self._index(ids, l0, l1)
-        # numpy, on this thread alone (torch's index_select left an OpenMP worker spinning ~5 ms
-        # of CPU after every call, on another core: the module doc)
-        if wrows.flags.c_contiguous:  # ``clip``: no bounds-checked copy of ``out`` (the ids were checked)
-            np.take(wrows, index, out=out.numpy().view(wrows.dtype), mode="clip")
-        else:  # rows at a finer grain than a block (np.take would copy the whole span first)
-            out.numpy().view(wrows.dtype)[...] = wrows[index]
+        index = torch.from_numpy(self._index(ids, l0, l1))
+        torch.index_select(self.span[0], 0, index, out=out.view(-1, self.layout.block_nbytes))
 
     def scatter(self, src: torch.Tensor, ids: np.ndarray, l0: int, l1: int, sender: KVLayout) -> None:
         """The reverse of ``gather``; ``sender`` is the peer's layout (its inner order is the staging's)."""
