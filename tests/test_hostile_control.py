@@ -78,8 +78,11 @@ def test_case4_idle_connection_flood_is_bounded_and_peers_still_get_in(victim):
     finally:
         for a in flood:
             a.stop()
-    time.sleep(1.0)
-    assert victim.fds() - base_fds <= 8
+    # the flood's sockets come back once its processes are gone: within seconds, busy cores included
+    deadline = time.monotonic() + 15.0
+    while victim.fds() - base_fds > 8 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert victim.fds() - base_fds <= 8, f"{victim.fds() - base_fds} more descriptors 15 s after the flood left"
     assert victim.logged("dropped peer", "closed unauthenticated", "newer connections need the room")
     assert victim.call("rejections").get("evicted", 0) >= 10_000  # most were accepted, then closed for newer ones
     _healthy(victim)
