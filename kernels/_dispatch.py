@@ -268,6 +268,54 @@ class BoundCopy:
         return _copy(self.src_layout, self.src, s_ids, self.dst_layout, self.dst, d_ids, stream, wait_event, path,
                      record_stream)
 
+    def stage(self, src_ids, dst_ids, stream: torch.cuda.Stream) -> tuple:
+        """The first half of a kernel copy of *checked* ids on ``stream`` (the path the caller chose:
+        ``select_path``): the overlap check and the ids' upload onto ``stream``, nothing launched.
+        For a caller that must wait for something else (a peer's grant) before any byte moves:
+        :meth:`launch_staged` launches it, :meth:`unstage` gives back one that will not launch."""
+        from . import copy  # imports triton
+
+        s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+        touch = self._touch
+        if touch is None:
+            touch = self._touch = sides_touch(self.src.spans, self.dst.spans)
+        if touch:
+            check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
+                          spans=(self.src.spans, self.dst.spans), touching=True)
+        with _on_device(stream):
+            pair = self._tables.get(stream.device_index)
+            if pair is None:
+                pair = self._tables[stream.device_index] = _pair(copy, self.src_layout, self.src, self.dst_layout,
+                                                                 self.dst, stream.device)
+            ids, entry, shape = pair.stage(s_ids, d_ids, stream)
+        return pair, ids, entry, shape, len(s_ids), stream
+
+    def launch_staged(self, staged: tuple, wait_event: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        """The second half: the kernel launch of :meth:`stage`'s copy on its stream (after
+        ``wait_event``); returns its event, which holds the tensors until the copy ended."""
+        pair, ids, entry, shape, n, stream = staged
+        with _on_device(stream):
+            if wait_event is not None:
+                stream.wait_event(wait_event)
+            pair.launch_staged(ids, n, shape, stream)
+            event = _KeepAliveEvent()
+            event.record(stream)
+        pair.release(entry, event)
+        event.keep = (self.src.tensors, self.dst.tensors, (pair, ids))  # until the copy ended
+        event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
+        return event
+
+    @staticmethod
+    def unstage(staged: tuple) -> None:
+        """Give back what :meth:`stage` took for a copy that will not launch (its ids' buffer,
+        reusable once the upload queued on its stream ended). Nothing of it moved."""
+        pair, _ids, entry, _shape, _n, stream = staged
+        if entry is not None:
+            with _on_device(stream):
+                event = torch.cuda.Event()
+                event.record(stream)
+            pair.release(entry, event)
+
     def _stream_copy(self, s_ids: np.ndarray, d_ids: np.ndarray, stream: torch.cuda.Stream,
                      wait_event) -> torch.cuda.Event:
         """The kernel copy the caller already chose (``select_path``), of checked ids, on ``stream``:
@@ -289,6 +337,12 @@ class BoundCopy:
         event.keep = (self.src.tensors, self.dst.tensors, plan)  # until the copy ended
         event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
         return event
+
+
+def _on_device(stream: torch.cuda.Stream):
+    """Make ``stream``'s device current where it is not (no device switch in the common case)."""
+    return torch.cuda.device(stream.device_index) if stream.device_index != torch.cuda.current_device() else \
+        contextlib.nullcontext()
 
 
 def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_ids, out: torch.Tensor,

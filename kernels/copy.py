@@ -384,6 +384,18 @@ class PairTables:
         _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
         return entry, ids
 
+    def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> tuple:
+        """The first half of :meth:`launch`: the ids' upload onto ``stream`` and the launch shape,
+        nothing launched. Returns (ids tensor, ring entry, shape) for :meth:`launch_staged`; an
+        entry that will not launch goes back by :meth:`release` with an event recorded after it."""
+        ids, entry = self._upload(src_ids, dst_ids, stream)
+        return ids, entry, self._shape(len(src_ids))
+
+    def launch_staged(self, ids: torch.Tensor, n: int, shape: tuple, stream: torch.cuda.Stream) -> None:
+        """The second half of :meth:`launch`: the kernel of ``n`` staged blocks on ``stream``."""
+        programs, warps, n_rows, consts, key = shape
+        _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
+
     def preload(self, n: int, stream: torch.cuda.Stream) -> bool:
         """Make sure the kernel a copy of ``n`` blocks between these sides launches has run once in
         this process: the first time, one launch on ``stream`` that moves nothing. True if it launched.

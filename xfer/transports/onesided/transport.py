@@ -20,14 +20,12 @@ until the peer hears it) and reports the stop."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
 import time
 from abc import abstractmethod
 
-import numpy as np
 import torch
 
 from ...errors import PeerDisconnectedError, TransportError, XferError
@@ -448,7 +446,7 @@ class OneSidedTransport(Transport):
             per_chunk = max(1, len(src_ids))
         prep = _Prep(bound, src_ids, dst_ids, chosen if chosen.value in _REQUESTABLE else request, stream, per_chunk)
         if stream is not None and len(src_ids) and chosen.value == "triton" and self.stage_ids:
-            prep.staged = _stage_ids(bound, prep.src_ids, prep.dst_ids, stream)
+            prep.staged = bound.stage(prep.src_ids, prep.dst_ids, stream)
         return prep
 
     def _launch(self, job: Job, prep: "_Prep | None" = None):
@@ -465,7 +463,7 @@ class OneSidedTransport(Transport):
                 raise t.error
             self._check_alive(job)
             if prep.staged is not None:  # one launch, its ids on the device already
-                event, prep.staged = _fire(bound, prep.staged, stream, ready), None
+                event, prep.staged = bound.launch_staged(prep.staged, ready), None
                 break
             end = start + per_chunk
             # the completer holds the event (and through it every tensor) until the copy ended:
@@ -478,7 +476,7 @@ class OneSidedTransport(Transport):
 
 class _Prep:
     """A job's copy, prepared (:meth:`OneSidedTransport._prepare`); ``staged``: the ids of its one
-    stream launch on the device (:func:`_stage_ids`), until launched or released."""
+    stream launch on the device (``BoundCopy.stage``), until launched or released."""
 
     __slots__ = ("bound", "src_ids", "dst_ids", "path", "stream", "per_chunk", "staged")
 
@@ -487,64 +485,11 @@ class _Prep:
         self.stream, self.per_chunk, self.staged = stream, per_chunk, None
 
 
-def _device(stream):
-    return torch.cuda.device(stream.device_index) if stream.device_index != torch.cuda.current_device() else \
-        contextlib.nullcontext()
-
-
-def _stage_ids(bound, src_ids: np.ndarray, dst_ids: np.ndarray, stream) -> tuple:
-    """The first half of the kernel's stream copy (xfer.kernels BoundCopy's lean path): the
-    overlap check and the block ids' upload onto ``stream`` (into the pair's reused buffers).
-    Returns what :func:`_fire` launches, or :func:`_release` gives back."""
-    from xfer.kernels import copy as kcopy  # imports triton
-    from xfer.kernels._dispatch import _pair
-    from xfer.kernels.reference import check_overlap, sides_touch
-
-    s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
-    touch = bound._touch
-    if touch is None:
-        touch = bound._touch = sides_touch(bound.src.spans, bound.dst.spans)
-    if touch:
-        check_overlap(bound.src_layout, bound.src.tensors, s_ids, bound.dst_layout, bound.dst.tensors, d_ids,
-                      spans=(bound.src.spans, bound.dst.spans), touching=True)
-    with _device(stream):
-        pair = bound._tables.get(stream.device_index)
-        if pair is None:
-            pair = bound._tables[stream.device_index] = _pair(kcopy, bound.src_layout, bound.src, bound.dst_layout,
-                                                              bound.dst, stream.device)
-        ids, entry = pair._upload(s_ids, d_ids, stream)
-    return pair, ids, entry, pair._shape(len(s_ids)), len(s_ids), stream
-
-
-def _fire(bound, staged: tuple, stream, wait_event):
-    """The second half: the kernel launch on ``stream`` (after ``wait_event``), its event."""
-    from xfer.kernels import CopyPath
-    from xfer.kernels import copy as kcopy
-    from xfer.kernels._dispatch import _KeepAliveEvent
-
-    pair, ids, entry, (programs, warps, n_rows, consts, key), n, _ = staged
-    with _device(stream):
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        kcopy._launch(programs, (pair.table, ids, n, n_rows, *consts), warps, pair.device.index, stream, key)
-        event = _KeepAliveEvent()
-        event.record(stream)
-    pair.release(entry, event)
-    event.keep = (bound.src.tensors, bound.dst.tensors, (pair, ids))  # until the copy ended
-    event.path, event.reason = CopyPath.TRITON, "kernel, chosen by the caller (select_path)"
-    return event
-
-
 def _release(prep) -> None:
-    """Give back what a prepared copy that will not launch holds (its uploaded ids' buffer, once
-    the upload queued on its stream ended)."""
+    """Give back what a prepared copy that will not launch holds (its staged ids; see
+    ``BoundCopy.unstage``). Once only; a failed preparation (an exception) or None holds nothing."""
     staged = getattr(prep, "staged", None)
     if staged is None:
         return
     prep.staged = None
-    pair, ids, entry, _, _, stream = staged
-    if entry is not None:
-        with _device(stream):
-            event = torch.cuda.Event()
-            event.record(stream)
-        pair.release(entry, event)
+    prep.bound.unstage(staged)
