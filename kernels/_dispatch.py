@@ -268,6 +268,16 @@ class BoundCopy:
         return _copy(self.src_layout, self.src, s_ids, self.dst_layout, self.dst, d_ids, stream, wait_event, path,
                      record_stream)
 
+    def _check_overlap(self, s_ids: np.ndarray, d_ids: np.ndarray) -> None:
+        """Refuse source and destination blocks that share bytes (only where the two sides' byte
+        ranges meet at all: found once per bound copy)."""
+        touch = self._touch
+        if touch is None:
+            touch = self._touch = sides_touch(self.src.spans, self.dst.spans)
+        if touch:
+            check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
+                          spans=(self.src.spans, self.dst.spans), touching=True)
+
     def stage(self, src_ids, dst_ids, stream: torch.cuda.Stream) -> tuple:
         """The first half of a kernel copy of *checked* ids on ``stream`` (the path the caller chose:
         ``select_path``): the overlap check and the ids' upload onto ``stream``, nothing launched.
@@ -276,12 +286,7 @@ class BoundCopy:
         from . import copy  # imports triton
 
         s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
-        touch = self._touch
-        if touch is None:
-            touch = self._touch = sides_touch(self.src.spans, self.dst.spans)
-        if touch:
-            check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
-                          spans=(self.src.spans, self.dst.spans), touching=True)
+        self._check_overlap(s_ids, d_ids)
         with _on_device(stream):
             pair = self._tables.get(stream.device_index)
             if pair is None:
@@ -321,12 +326,7 @@ class BoundCopy:
         """The kernel copy the caller already chose (``select_path``), of checked ids, on ``stream``:
         what ``_copy`` does on that path without re-deciding it per call (a transport posts one per
         transfer; on the GPU VM each layer of Python costs several microseconds)."""
-        touch = self._touch
-        if touch is None:
-            touch = self._touch = sides_touch(self.src.spans, self.dst.spans)
-        if touch:
-            check_overlap(self.src_layout, self.src.tensors, s_ids, self.dst_layout, self.dst.tensors, d_ids,
-                          spans=(self.src.spans, self.dst.spans), touching=True)
+        self._check_overlap(s_ids, d_ids)
         pair = self._tables.get(stream.device_index)
         if pair is None:
             from . import copy  # imports triton

@@ -61,8 +61,9 @@ def assert_untouched(layout, tensors, written_ids) -> None:
 
 
 # ---- a peer agent in another process -------------------------------------------------------------
-def _peer_main(conn, name, kind, dims, seed, config, device="cpu"):
-    empty = shared_empty if device == "cpu" else torch.empty
+def _peer_main(conn, name, kind, dims, seed, config, device="cpu", empty=None):
+    if empty is None:
+        empty = shared_empty if device == "cpu" else torch.empty
     tensors, layout = make_kv_cache(kind, empty=empty, device=device, **dims)
     if seed is None:
         poison(tensors)
@@ -121,12 +122,14 @@ class ChildProcess:
 
 
 class PeerProcess(ChildProcess):
-    """An agent named ``name`` in a child process with a shared-memory KV region ``kv``."""
+    """An agent named ``name`` in a child process with a KV region ``kv``: host memory shared
+    (``xfer.shared_empty``) unless ``empty`` names another allocator (e.g. ``torch.zeros``)."""
 
-    def __init__(self, name, kind, dims, *, seed=None, config=None, device="cpu"):
+    def __init__(self, name, kind, dims, *, seed=None, config=None, device="cpu", empty=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, name, kind, dims, seed, config, device), daemon=True)
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, kind, dims, seed, config, device, empty),
+                                daemon=True)
         self.proc.start()
         if not self.conn.poll(60):
             self.kill()

@@ -50,7 +50,8 @@ def _fakes(monkeypatch, calls):
     monkeypatch.setattr(kcopy, "_launch", lambda *a: calls.append(("launch", *a)))
     side = types.SimpleNamespace(spans=None, tensors=["t"])
     bound = types.SimpleNamespace(_touch=False, _tables={}, src=side, dst=side, src_layout=None, dst_layout=None)
-    for name in ("stage", "launch_staged", "unstage"):  # BoundCopy's own methods over the stand-in state
+    # BoundCopy's own methods over the stand-in state
+    for name in ("stage", "launch_staged", "unstage", "_check_overlap"):
         setattr(bound, name, getattr(BoundCopy, name).__get__(bound) if name != "unstage" else BoundCopy.unstage)
     stream = types.SimpleNamespace(device_index=3, device="cuda:3", wait_event=lambda e: calls.append(("wait", e)))
     return pair, bound, stream

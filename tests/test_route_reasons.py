@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import multiprocessing as mp
 
 import pytest
 import torch
 
-from helpers import (POISON, PeerProcess, assert_blocks_equal, assert_untouched, byte_view, fill_random, poison,
+from helpers import (PeerProcess, assert_blocks_equal, assert_untouched, fill_random, poison,
                      small_dims)
 from xfer import Agent, AgentConfig, LayoutKind, Op, TransportKind, make_kv_cache, shared_empty
 from xfer import metadata as md_codec
@@ -58,38 +57,6 @@ def forged(agent: Agent, **changes) -> bytes:
     return md_codec.encode(dataclasses.replace(md, **changes))
 
 
-# ---- a peer in another process of this host, its cache in plain (unshared) host memory ----------
-def _plain_peer(conn, dims):
-    tensors, layout = make_kv_cache(KIND, empty=torch.zeros, **dims)
-    poison(tensors)
-    agent = Agent("plain", AgentConfig(default_timeout_s=20))
-    agent.register("kv", tensors, layout)
-    conn.send(agent.metadata())
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            agent.close()
-            conn.send("bye")
-            return
-        if cmd == "bytes":
-            conn.send([byte_view(t).numpy().copy() for t in tensors])
-        elif cmd == "notifications":
-            conn.send(len(agent.notifications()))
-
-
-class PlainPeer(PeerProcess):
-    def __init__(self, dims):  # noqa: D107 (PeerProcess's life cycle, a torch.zeros cache)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_plain_peer, args=(child, dims), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            self.kill()
-            raise RuntimeError("peer process did not start within 60 s")
-        self.metadata = self.conn.recv()
-        self.tensors_layout = make_kv_cache(KIND, device="meta", **dims)[1]
-
-
 # ---- the printed route -----------------------------------------------------------------------------
 def test_selection_prints_the_choice_and_each_refusal_on_one_line():
     rejected = {"local": "peer region 'kv' of 'd' is not in shared memory (allocate it with xfer.shared_empty)",
@@ -109,7 +76,7 @@ def test_plain_caches_of_one_host_route_to_ucx_say_why_and_warn_once(caplog):
     ONE warning line (route, reasons, fix) over routes of both ops and several transfers."""
     caplog.set_level(logging.INFO, logger="xfer")
     tensors, layout = cache(fill=3)
-    peer_proc = PlainPeer(DIMS)
+    peer_proc = PeerProcess("plain", KIND, DIMS, empty=torch.zeros, config=AgentConfig(default_timeout_s=20))
     try:
         with Agent("prefill", AgentConfig(default_timeout_s=20)) as agent:
             agent.register("kv", tensors, layout)

@@ -148,12 +148,7 @@ class DataPath:
         if not req.completed:
             self.e.track(req, cb)
             return
-        try:
-            req.check_error()
-            err = None
-        except Exception as exc:  # UCX error of this request
-            err = exc
-        cb(err)
+        cb(wire.request_error(req))
 
     # ---- chunks ------------------------------------------------------------------------------
     def send_chunk(self, flow, chunk, slot) -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 
 from ...errors import TransportError
+from . import wire
 from .datapath import DataPath
 from .io_raw import RawIO, iov_sender
 from .io_ucxx import UcxxIO
@@ -233,12 +234,7 @@ class Engine:
             return False
         self._reqs = keep
         for req, cb in done:
-            try:
-                req.check_error()
-                err = None
-            except Exception as exc:  # UCX error of this request
-                err = exc
-            cb(err)
+            cb(wire.request_error(req))
         return True
 
     def copy_device(self, launch, done) -> None:

@@ -42,7 +42,7 @@ from ...errors import InvalidArgumentError, PeerDisconnectedError
 from ...guard import loads
 
 __all__ = ["Kind", "encode", "open_message", "hello", "parse_hello", "ctrl_tag", "full_xid", "next_xid",
-           "xid_after", "HELLO_BYTES", "VERSION", "PREFIX_BYTES"]
+           "xid_after", "request_error", "HELLO_BYTES", "VERSION", "PREFIX_BYTES"]
 
 # 2: the initiator names the transfer (xid) and sends at once, no ACCEPT
 # 3: a REQ names its layout by a per-connection id ("lid"); only the first REQ with it carries it
@@ -194,3 +194,13 @@ def parse_hello(buf: np.ndarray) -> tuple[int, str, str, bytes]:
         raise PeerDisconnectedError(f"peer sent connection id {conn} in its hello (1..{CONN_MAX})")
     assert len(nonce) == NONCE_BYTES
     return conn, agent_id.decode(errors="replace"), raw[_HELLO.size:].rstrip(b"\0").decode(errors="replace"), nonce
+
+
+def request_error(req) -> Exception | None:
+    """The error a finished UCX request ended with (ucxx's or the raw binding's ``check_error``),
+    None when it succeeded."""
+    try:
+        req.check_error()
+    except Exception as exc:  # noqa: BLE001 - UCX's error of this request, handed to its callback
+        return exc
+    return None
