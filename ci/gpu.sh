@@ -85,7 +85,7 @@ for step in $what; do
         | tee "$OUT/nvshmem-2pe.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     ucx|all)
       # the UCX transport on device memory between two processes, beside a device copy and a ucxx send
-      run_step UCX python3 bench/ucx_bench.py --device cuda --iters 5 --json "$OUT/ucx-cuda.json" 2>&1 \
+      run_step UCX python3 -m xfer.bench.ucx_bench --device cuda --iters 5 --json "$OUT/ucx-cuda.json" 2>&1 \
         | tee "$OUT/ucx-cuda.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;&
     xferbench|all)
       # the main job on device memory, every transport pinned in turn (ucx: device memory between processes)
