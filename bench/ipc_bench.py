@@ -215,6 +215,10 @@ def main(argv=None) -> dict:
                         "own order to keep)")
     p.add_argument("--ask-inline", action="store_true",
                    help="a lone write's grant request sent by the posting thread (OneSidedTransport.ask_inline)")
+    p.add_argument("--ahead", action="store_true",
+                   help="also time one request under a grant the target issued ahead (Agent.grant; the token "
+                        "passed over the bench's pipe before the clock starts), beside the same write after the "
+                        "same pipe exchange without one")
     p.add_argument("--no-stage-ids", action="store_true",
                    help="upload a copy's block ids at its launch, after the grant, not while the grant request "
                         "travels (OneSidedTransport.stage_ids False: the launch as before issue 32)")
@@ -318,6 +322,32 @@ def main(argv=None) -> dict:
             rtt = [tl["granted"] - tl["asked"] for tl in timelines if "asked" in tl and "granted" in tl]
             if rtt:  # the grant's round trip, from its request leaving to its reply taken (issue 32)
                 phases["grant round trip (asked to granted)"] = 1e3 * statistics.median(rtt)
+            ahead_phases = {}
+            if args.ahead:  # each write under a grant the target issued before it (xfer.ahead), untimed;
+                # beside the same write after the same pipe exchange with the target, without a grant
+                target.call("connect", agent.metadata())
+                tokens = []
+                for name, prep, grant in (("xfer write, one request, after a pipe exchange (no grant ahead)",
+                                           lambda: target.call("ping"), lambda: None),
+                                          ("xfer write granted ahead, one request end to end",
+                                           lambda: tokens.append(target.call("grant", (agent.name, dst.tolist()))),
+                                           lambda: tokens.pop())):
+                    times, tls = [], []
+                    for k in range(args.iters + 3):
+                        torch.cuda.synchronize()
+                        prep()
+                        t0 = time.perf_counter()
+                        t = agent.write(peer, src, dst, grant=grant())
+                        t.wait()
+                        torch.cuda.synchronize()
+                        if k >= 3:
+                            times.append(1e3 * (time.perf_counter() - t0))
+                            tls.append(t.timeline())
+                    rows.append({"name": name, "ms": statistics.median(times), "p99_ms": float(np.percentile(times, 99))})
+                    if "granted ahead" in name:
+                        ahead_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in tls)
+                                        for k in tls[-1]}
+                target.call("drain")
             ms, p99 = median_ms(burst, max(3, args.iters // 4))
             rows.append({"name": "xfer write, 8 back to back (per request)", "ms": ms / 8, "p99_ms": p99 / 8})
             # a longer stream: the first request's latency (~3 copies' worth) weighs 1/32, not 1/8
@@ -361,6 +391,7 @@ def main(argv=None) -> dict:
         "post_us_median": statistics.median(post),
         "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids},
         "write_timeline_ms": phases,
+        **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
         **({"peer_ceiling": ceiling} if ceiling is not None else {}),
     }
     print(f"ipc bench on {res['device']}: {res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB, route {route}")
@@ -371,6 +402,9 @@ def main(argv=None) -> dict:
     print(f"host time to post the 16,384-slice write: {res['post_us_median']:.0f} us (median)")
     print("one write, median ms from the call to each phase: "
           + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    if args.ahead:
+        print("one write granted ahead, median ms from the call to each phase: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ahead_phases.items()))
     print(f"path of the verified write: {transfer_path}")
     if ceiling is not None:
         print(f"peer ceiling (peer access {ceiling.get('peer_access')}): " + ("; ".join(

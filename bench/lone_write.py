@@ -16,7 +16,10 @@ target's handler time per message type (its control server's handler, timed in t
 ``--layers`` / ``--blocks`` / ``--block-size`` shape the write (e.g. ``--layers 64 --blocks 128
 --block-size 1``: the seed case's 16,384 slices, small).
 
-    python bench/lone_write.py [--transports local,ucx] [--writes 200] [--rounds 3] [--secret] [--phases] [--json out]
+``--ahead on|both`` times each write under a grant its target issued ahead (``Agent.grant``, the
+token passed over the bench's pipe before the write's clock starts): no grant round trip.
+
+    python bench/lone_write.py [--transports local,ucx] [--writes 200] [--rounds 3] [--secret] [--phases] [--ahead both] [--json out]
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def _target(conn, enable, secret, dims):
             agent.notifications()
             conn.send(handled)
             handled.clear()
+        if isinstance(cmd, tuple) and cmd[0] == "connect":  # (--ahead) the initiator's metadata
+            conn.send(agent.connect(cmd[1]))
+        if isinstance(cmd, tuple) and cmd[0] == "grant":  # (--ahead) blocks held for the next write
+            conn.send(agent.grant(cmd[1], cmd[2]))
+        if isinstance(cmd, tuple) and cmd[0] == "ping":  # (without --ahead) the same exchange, no grant
+            conn.send("pong")
 
 
 def _tcp_ceiling(nbytes: int, n: int, gap: float) -> list[float]:
@@ -117,7 +126,7 @@ def _ms(xs) -> float:
 
 
 def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | None = None, blocks: int = 1,
-        phases: bool = False, bursts: tuple = (0, 0)) -> dict:
+        phases: bool = False, bursts: tuple = (0, 0), ahead: bool = False) -> dict:
     import torch
 
     from xfer import Agent, AgentConfig, make_kv_cache
@@ -156,6 +165,9 @@ def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | N
                 if client is not None:  # a pipelined client (issue 32) is still reached through it
                     timed.__self__ = client
                 handle.request = timed
+            if ahead:  # the target grants each write's blocks before it (untimed: xfer.ahead)
+                conn.send(("connect", a.metadata()))
+                conn.recv()
             conn.send("handled")
             conn.recv()  # the target's handler times from here on
             lat, timelines, posts = [], [], []
@@ -165,8 +177,11 @@ def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | N
                 k = i % sets
                 src, dst = list(range(k * blocks, (k + 1) * blocks)), list(range(half + k * blocks,
                                                                                   half + (k + 1) * blocks))
+                # the same pipe exchange with the target before every write, with or without --ahead
+                conn.send(("grant", a.name, dst) if ahead else ("ping",))
+                token = conn.recv() if ahead else conn.recv() and None
                 t0 = time.perf_counter()
-                t = a.write(peer, src, dst)
+                t = a.write(peer, src, dst, grant=token)
                 t1 = time.perf_counter()
                 t.wait()
                 if i >= 5:
@@ -229,6 +244,9 @@ def main() -> None:
     ap.add_argument("--burst-rounds", type=int, default=20)
     ap.add_argument("--ask-inline", action="store_true",
                     help="a lone write's grant request sent by the posting thread (OneSidedTransport.ask_inline)")
+    ap.add_argument("--ahead", default="off", choices=("off", "on", "both"),
+                    help="each write under a grant its target issued ahead (Agent.grant, untimed); both: each "
+                         "transport without, then with")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.ask_inline:
@@ -239,11 +257,12 @@ def main() -> None:
             "num_blocks": max(DIMS["num_blocks"], 4 * args.blocks)}
     out = []
     for _ in range(args.rounds):
-        for t in args.transports.split(","):
+        for t, ahead in [(t, a) for t in args.transports.split(",") for a in
+                         {"off": (False,), "on": (True,), "both": (False, True)}[args.ahead]]:
             r = run(t, args.writes, args.gap_ms / 1e3, SECRET if args.secret else None, dims, args.blocks, args.phases,
-                  (args.burst, args.burst_rounds))
-            r["vs_tcp"] = r["tcp_median_us"] / r["median_us"]
-            print(f"{t:6s} lone write of {r['block_bytes']} B: median {r['median_us']:.0f} us, p90 {r['p90_us']:.0f} "
+                  (args.burst, args.burst_rounds), ahead)
+            r["vs_tcp"], r["ahead"] = r["tcp_median_us"] / r["median_us"], ahead
+            print(f"{t:6s}{' granted ahead' if ahead else ''} lone write of {r['block_bytes']} B: median {r['median_us']:.0f} us, p90 {r['p90_us']:.0f} "
                   f"us; TCP ping-pong of the same bytes {r['tcp_median_us']:.0f} us (ceiling/xfer {r['vs_tcp']:.2f})")
             if "burst" in r:
                 print(f"  {args.burst} back to back: {r['burst']['per_write_us']:.0f} us a write (median of "

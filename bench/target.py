@@ -309,6 +309,12 @@ def _main(conn, kind: str, dims: dict, device: str) -> None:
                 conn.send(len(agent.notifications()))
             elif cmd == "received":  # transfer id -> when its notification arrived (time.monotonic, host-wide)
                 conn.send({n.transfer_id: n.received for n in agent.notifications()})
+            elif cmd == "connect":  # the initiator's metadata (to grant it blocks ahead)
+                conn.send(agent.connect(arg))
+            elif cmd == "grant":  # (peer, ids) -> the token of a grant issued ahead (xfer.ahead)
+                conn.send(agent.grant(*arg))
+            elif cmd == "ping":
+                conn.send("pong")
 
 
 class Target:

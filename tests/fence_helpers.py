@@ -181,6 +181,14 @@ def _side_main(conn, name, transport, kind, dims, netns, env, bind, config):
                     conn.send(("ok", n, time.monotonic() - t0))
                 except Exception as exc:
                     conn.send(("error", type(exc).__name__, str(exc), time.monotonic() - t0))
+            elif cmd == "grant":  # (peer, blocks) -> ("ok", token) (xfer.ahead)
+                conn.send(("ok", agent.grant(*arg)))
+            elif cmd == "post_granted":  # (peer, src, dst, timeout, notify, token) -> its index
+                peer, src, dst, tmo, note, token = arg
+                posted.append((agent.write(peer, src, dst, timeout=tmo, notify=note, grant=token), dst))
+                conn.send(len(posted) - 1)
+            elif cmd == "timeline":
+                conn.send(posted[arg][0].timeline())
             elif cmd == "holds":
                 conn.send(len(getattr(agent, "_grants", ())))
         except Exception as exc:  # sent back to the test as data

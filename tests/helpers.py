@@ -93,6 +93,8 @@ def _peer_main(conn, name, kind, dims, seed, config, device="cpu", empty=None):
             conn.send([(n.transfer_id, n.peer, n.op.value, n.blocks.tolist()) for n in agent.notifications()])
         elif cmd == "connect":
             conn.send(agent.connect(arg))
+        elif cmd == "grant":  # (peer, blocks) -> the token of a grant issued ahead (xfer.ahead)
+            conn.send(agent.grant(*arg))
         elif cmd == "write":
             peer, src, dst, timeout = arg
             try:

@@ -165,6 +165,36 @@ def test_write_orders_after_the_callers_stream():
 
 @gpu
 @needs_cuda
+def test_ipc_write_granted_ahead_lands_exactly_and_asks_nothing():
+    """A WRITE under a grant its target issued ahead (xfer.ahead) launches at once: no grant asked,
+    the bytes exact, every other block still poisoned, the notice delivered, the token spent."""
+    kind = LayoutKind.VLLM_FLASH_ATTN_NHD
+    dims = small_dims(kind, layers=4, blocks=16, bs=16, heads=4, hd=64)
+    peer = PeerProcess("decode", kind, dims, device="cuda:0", seed=None)
+    try:
+        tensors, layout = make_kv_cache(kind, device="cuda:0", **dims)
+        fill_random(tensors, seed=5)
+        with Agent("prefill", AgentConfig(transport="ipc")) as agent:
+            agent.register("kv", tensors, layout)
+            name = agent.connect(peer.metadata)
+            peer.call("connect", agent.metadata())
+            src, dst = [1, 4, 6], [9, 2, 12]
+            token = peer.call("grant", (agent.name, dst))
+            t = agent.write(name, src, dst, grant=token)
+            t.wait()
+            assert "asked" not in t.timeline() and "launched" in t.timeline(), t.timeline()
+            remote = peer.tensors()
+            assert_blocks_equal(layout, [x.cpu() for x in tensors], src, peer.tensors_layout, remote, dst)
+            assert_untouched(peer.tensors_layout, remote, dst)
+            assert peer.call("notification", 10)[:4] == ("ok", "prefill", "write", dst)
+            with pytest.raises(InvalidArgumentError):
+                agent.write(name, src, dst, grant=token)  # spent
+    finally:
+        peer.close()
+
+
+@gpu
+@needs_cuda
 def test_seed_case_full_size_and_concurrency():
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)  # 32 KiB slices

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from . import metadata as md_codec
+from .ahead import Ahead
 from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
@@ -67,11 +68,13 @@ class Agent:
         self._prune_at = 64
         here = host_id()
         self._grants = Grants(here)  # the target side's holds on blocks peers may write or read
-        self._inbox = Inbox(name, self._regions.get, self._grants, here)
         config = self.config
         self._fence_s = config.settings.fence.bound_s
         secret = secret_from(config.secret if config.secret is not None else config.settings.secret)
         self._auth = Authenticator(secret) if secret is not None else None
+        # grants issued ahead: this agent's tokens (a target) and the tokens it was handed (an initiator)
+        self._ahead = Ahead(name, self.agent_id, self._grants, self._auth, self._peers.get, self._fence_s)
+        self._inbox = Inbox(name, self._regions.get, self._grants, here, self._ahead.claims)
         ctx = TransportContext(agent_name=name, agent_id=self.agent_id, host_id=here, config=self.config,
                                log=log, auth=self._auth, region=self._regions.get,
                                regions=lambda: list(self._regions.values()), deliver=self._inbox.deliver,
@@ -316,7 +319,7 @@ class Agent:
 
     # ---- transfers ---------------------------------------------------------------------------
     def write(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
-              notify: bytes = b"", timeout: float | None = None, after="stream") -> Transfer:
+              notify: bytes = b"", timeout: float | None = None, after="stream", grant: str | None = None) -> Transfer:
         """Copy local blocks ``src_blocks`` onto the peer's blocks ``dst_blocks`` (all layers, K/V).
 
         The peer receives a :class:`Notification` carrying ``notify`` once every byte landed.
@@ -325,8 +328,11 @@ class Agent:
         wrote); a ``torch.cuda.Event`` orders it after that event only; ``None`` adds no ordering
         (the caller has synchronised). A pipelined producer should pass its per-layer event: the
         whole stream would also hold the copy behind every later layer already queued.
+        ``grant``: the token the peer's :meth:`grant` returned for exactly ``dst_blocks`` (in that
+        order): the write moves its bytes without first asking the peer for them (xfer.ahead).
         """
-        return self._post(Op.WRITE, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout, after)
+        return self._post(Op.WRITE, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout, after,
+                          grant)
 
     def read(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
              notify: bytes = b"", timeout: float | None = None, after="stream") -> Transfer:
@@ -335,7 +341,7 @@ class Agent:
         return self._post(Op.READ, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout, after)
 
     def _post(self, op, peer, src_blocks, dst_blocks, region, peer_region, notify, timeout,
-              after="stream") -> Transfer:
+              after="stream", grant=None) -> Transfer:
         if self._closed:
             self._check_open()
         # the defaults (no deadline given, no payload, after="stream") pass without a check each:
@@ -363,6 +369,7 @@ class Agent:
             if src_ids.size != dst_ids.size:
                 raise LengthMismatchError(f"{src_ids.size} source block ids but {dst_ids.size} destination block ids")
             local_ids, peer_ids = (src_ids, dst_ids) if op is Op.WRITE else (dst_ids, src_ids)
+            hid = None if grant is None else self._ahead.claim(grant, plan.handle, plan.record.name, peer_ids)
             n = len(src_ids)
             transfer = Transfer(peer=peer, op=op, num_blocks=n, nbytes=n * plan.block_bytes,
                                 path=plan.kind, timeout=float(timeout), observer=self.metrics.ended,
@@ -378,8 +385,18 @@ class Agent:
             else:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(plan.local.device))
-        plan.transport.post(Job(transfer=transfer, op=op, local=plan.local, peer=plan.handle, peer_region=plan.record,
-                                local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready))
+        job = Job(transfer=transfer, op=op, local=plan.local, peer=plan.handle, peer_region=plan.record,
+                  local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready)
+        if hid is not None:
+            if plan.transport.takes_grant(job):
+                job.grant = hid
+            else:  # its target takes its own hold: the grant goes back first (one round trip)
+                try:
+                    self._ahead.give_back(plan.handle, hid, transfer.deadline)
+                except XferError as exc:
+                    transfer.fail(exc)
+                    return transfer
+        plan.transport.post(job)
         return transfer
 
     def _plan(self, op: Op, peer: str, region: str | None, peer_region: str | None) -> _Plan:
@@ -412,6 +429,25 @@ class Agent:
         raise_remote(reply, peer)
 
     # ---- passive side ------------------------------------------------------------------------
+    def grant(self, peer: str, blocks, *, region: str | None = None) -> str:
+        """Hold blocks ``blocks`` of ``region`` for one WRITE of ``peer`` now, ahead of it; returns
+        the token the peer passes to :meth:`write` (``grant=``) with exactly these blocks, in this
+        order. That write then moves its bytes at once instead of asking for them first (one round
+        trip less); it is fenced as any WRITE (xfer.ahead). Raises :class:`BlocksBusyError` when
+        another peer's unfenced transfer holds some of them. Blocks granted and not to be written
+        (the request was dropped) are taken back by :meth:`revoke`, which asks ``peer`` first."""
+        self._check_open()
+        with self._lock:
+            handle = self._peers.get(peer)
+            if handle is None:
+                raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+            if region is None and len(self._regions) != 1:
+                raise NotRegisteredError(f"agent {self.name!r} has regions {sorted(self._regions)}: name one")
+            local = self._regions.get(next(iter(self._regions)) if region is None else region)
+            if local is None:
+                raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
+        return self._ahead.grant(local, handle, blocks)
+
     def revoke(self, blocks, *, region: str | None = None, timeout: float | None = None) -> int:
         """Take back blocks peers were granted (the destination of their WRITEs, the source of their
         READs; ``region``: one region, None: every one, skipping ids past a region's end): returns

@@ -108,6 +108,21 @@ class Authenticator:
             raise AuthenticationError(f"metadata of {str(d.get('name'))[:64]!r} fails its MAC (wrong secret or "
                                       f"tampered)")
 
+    # ---- grant tokens (xfer.ahead) --------------------------------------------------------------
+    def sign_token(self, d: dict) -> dict:
+        return dict(d, auth=self._mac(b"grant-token", _canonical(d, "auth")))
+
+    def check_token(self, d: dict) -> None:
+        auth = d.get("auth")
+        if not isinstance(auth, str):
+            raise AuthenticationError("the grant token is not signed (its target has no shared secret?)")
+        try:
+            canonical = _canonical(d, "auth")
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise AuthenticationError(f"the grant token cannot be checked: {exc}"[:200]) from None
+        if not hmac.compare_digest(auth, self._mac(b"grant-token", canonical)):
+            raise AuthenticationError("the grant token fails its MAC (wrong secret or tampered)")
+
 
 class Session:
     """One connection's message authentication: ``seal`` the messages this side sends, ``open``

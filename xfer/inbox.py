@@ -44,8 +44,9 @@ class Inbox:
     """``name``: the agent's (for messages); ``regions``: its region lookup (name -> region or None);
     ``grants``: the agent's holds (xfer.transports.grants.Grants); ``host``: this host's id."""
 
-    def __init__(self, name: str, regions: Callable, grants=None, host: str = ""):
+    def __init__(self, name: str, regions: Callable, grants=None, host: str = "", claims=None):
         self.name, self._regions, self._grants, self._host = name, regions, grants, host
+        self._claims = claims  # the tokens of grants issued ahead this agent was handed (xfer.ahead.Claims)
         self._notes: collections.deque[Notification] = collections.deque()
         self._cond = threading.Condition()
         # per initiator (name, pid, host): the least delay of its messages (control-server thread only)
@@ -63,6 +64,8 @@ class Inbox:
             return self.on_grant_end(header)
         if kind == "message":
             return self.on_message(header, payload)
+        if kind == "grant_release" and self._claims is not None:
+            return self._claims.on_release(header)
         return None
 
     def deliver(self, note: Notification) -> None:

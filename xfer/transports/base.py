@@ -197,6 +197,12 @@ class Transport(ABC):
     def post(self, job: Job) -> None:
         """Start moving ``job``'s blocks; never blocks on the data."""
 
+    def takes_grant(self, job: Job) -> bool:
+        """Whether this WRITE can run under a grant its target issued ahead (``Job.grant`` set
+        before ``post``: no grant is asked for; its notice ends it). False: the target side takes
+        its own hold, and the agent gives the grant back before posting (xfer.ahead)."""
+        return False
+
     def handle_control(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """Answer a control message addressed to this transport.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 
 from .. import errors
@@ -32,7 +33,7 @@ from ..error_codec import reply_error
 from .base import Job
 
 __all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
-           "await_grants", "GrantAsk", "end_grants"]
+           "await_grants", "GrantAsk", "end_grants", "end_grants_soon"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,6 +161,21 @@ def end_grants(jobs: list[Job], sender: str, deadline: float, by_id: bool = Fals
         header["tids"] = [j.transfer.id for j in jobs]
     reply, _ = jobs[0].peer.request(header, deadline=deadline)
     raise_remote(reply, jobs[0].peer.name)
+
+
+def end_grants_soon(job: Job, sender: str, grace: float = 1.0) -> None:
+    """``job`` (a WRITE under a grant issued ahead, xfer.ahead) ended before its target heard of
+    it: end the grant from a thread of its own (one attempt, by the transfer's deadline + ``grace``;
+    unanswered, the target's revoke names it). For callers that must not wait (an event loop)."""
+    if job.grant is None:
+        return
+
+    def end() -> None:
+        try:
+            end_grants([job], sender, job.transfer.deadline + grace)
+        except BaseException:  # noqa: BLE001 - best effort: the target's revoke or reap ends it
+            pass
+    threading.Thread(target=end, name="xfer-grant-end", daemon=True).start()
 
 
 def complete_notified(batch: list[Job], sender: str, host: str = "", grace: float = 0.0, ended=None) -> None:

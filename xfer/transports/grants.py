@@ -37,7 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import BlocksBusyError, FenceTimeoutError
+from ..errors import (BlocksBusyError, FenceTimeoutError, InvalidArgumentError, NotRegisteredError,
+                      RevokedError)
 from ..shm import pid_alive
 from .base import LocalRegion
 
@@ -109,12 +110,17 @@ class Grants:
         return hold.pid is not None and hold.host == self._host and hold.pid != self._pid and not pid_alive(hold.pid)
 
     def hold(self, region: LocalRegion, ids: np.ndarray, *, writes: bool, peer: str, tid: str, owner=None,
-             pid: int | None = None, host: str | None = None, on_revoke: Callable | None = None) -> Hold:
+             pid: int | None = None, host: str | None = None, on_revoke: Callable | None = None,
+             replaces=None) -> Hold:
         """Claim blocks ``ids`` (checked) of ``region`` for an incoming transfer of ``owner`` (its
         initiator's ordered channel), or raise BlocksBusyError naming the unfenced transfer of
-        another owner that holds some of them."""
+        another owner that holds some of them. ``replaces``: the id of a grant issued ahead to
+        ``peer`` for exactly these blocks (xfer.ahead), ended in the same step (RevokedError,
+        ended too, when it was revoked; nothing of the transfer has landed yet)."""
         busy = self._busy(region)
         with self._lock:
+            if replaces is not None:
+                self._replace(replaces, region, ids, writes, peer)
             if busy.writes[ids].any() or (writes and busy.reads[ids].any()):
                 other = self._clashing(region, ids, writes, owner)
                 if other is not None:
@@ -132,6 +138,25 @@ class Grants:
                 np.add.at(busy.reads, ids, 1)
             self._live[h.id] = h
         return h
+
+    def _replace(self, hid, region: LocalRegion, ids: np.ndarray, writes: bool, peer: str) -> None:
+        """(under the lock) End grant ``hid`` issued ahead to ``peer`` for this transfer's blocks."""
+        h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
+        if h is None or h.peer != peer:
+            raise NotRegisteredError(f"no grant {hid!r} of {peer!r} is live here (ended, or never granted)")
+        if not (writes and h.writes and h.region is region and np.array_equal(h.ids, ids)):
+            raise InvalidArgumentError(f"grant {hid} covers other blocks than the transfer naming it")
+        self._end(h)
+        if h.revoked:
+            raise RevokedError(f"the blocks of grant {hid} were revoked before its write began: nothing landed")
+
+    def end_ahead(self, hid, peer: str) -> None:
+        """End grant ``hid`` issued ahead to ``peer``: the transfer naming it was refused before any
+        byte of it landed (a grant serves one transfer). No such grant: nothing."""
+        with self._lock:
+            h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
+            if h is not None and h.peer == peer:
+                self._end(h)
 
     def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool, owner) -> Hold | None:
         """A live hold of another owner on some of ``ids`` that conflicts (either side writes)."""

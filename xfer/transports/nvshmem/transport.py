@@ -164,6 +164,12 @@ class NvshmemTransport(Transport):
             return self._views[key]
 
     # ---- transfers -------------------------------------------------------------------------------
+    def takes_grant(self, job: Job) -> bool:
+        try:  # the direct path (one-sided, under grants); the staged one's target copies itself
+            return self.peer_views(job) is not None
+        except XferError:
+            return False
+
     def post(self, job: Job) -> None:
         if self._closed:
             job.transfer.fail(AgentClosedError("the nvshmem transport is closed"))

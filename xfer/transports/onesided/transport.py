@@ -99,17 +99,22 @@ class OneSidedTransport(Transport):
         """The stream copies run on (None: the current one / CPU)."""
         return None
 
+    def takes_grant(self, job: Job) -> bool:
+        return True
+
     def post(self, job: Job) -> None:
         with self._order:
             if self._closed:
-                job.transfer.fail(TransportError(f"{self.kind.value} transport is closed"))
+                self._fail(job, TransportError(f"{self.kind.value} transport is closed"))
                 return
-            # a READ waits for no grant: its stream copy is launched here when nothing posted earlier
-            # waits to launch (a launch is asynchronous; a hand-off to the worker costs a wake-up)
-            if self._inline and job.op is Op.READ and self._queued == 0 and self._launches_async(job):
+            # a READ waits for no grant, nor a WRITE granted ahead (xfer.ahead): its stream copy is
+            # launched here when nothing posted earlier waits to launch (a launch is asynchronous; a
+            # hand-off to the worker costs a wake-up)
+            if self._inline and (job.op is Op.READ or job.grant is not None) and self._queued == 0 and \
+                    self._launches_async(job):
                 t = job.transfer
                 if t.cancel_requested:
-                    t.fail(t.error)
+                    self._fail(job, t.error)
                     return
                 t.begin()
                 self._start(job)
@@ -235,11 +240,13 @@ class OneSidedTransport(Transport):
                 asks.append(([job], ask))
                 continue
             if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
-                t.fail(t.error)
+                self._fail(job, t.error)  # (a grant issued ahead is ended)
                 dropped.add(id(job))
                 continue
             t.begin()
-            if job.op is not Op.READ:  # a READ writes only this side's memory: no grant (its notice is checked)
+            # a READ writes only this side's memory: no grant (its notice is checked); a WRITE granted
+            # ahead holds its grant already
+            if job.op is not Op.READ and job.grant is None:
                 by_peer.setdefault(id(job.peer), []).append(job)
         for group in by_peer.values():
             try:

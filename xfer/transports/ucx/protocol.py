@@ -31,6 +31,7 @@ from . import wire
 from .conn import Conn
 from .flow import Flow, in_place, peer_in_place
 from ..chunking import chunk_list, plan_chunks
+from ..completion import end_grants_soon
 from ..incoming import check_request, check_ttl, local_deadline
 from .staging import BlockCopier
 
@@ -213,6 +214,7 @@ class Protocol:
     def start(self, job) -> None:
         t = job.transfer
         if t.cancel_requested:  # a stop before it started (cancel, deadline): nothing of it moves
+            end_grants_soon(job, self.ctx.agent_name)  # (a grant issued ahead: its target hears it)
             t.fail(t.error)
             return
         t.mark("started")  # the engine thread took the posted job
@@ -236,6 +238,7 @@ class Protocol:
                                            f"would exceed max_ctrl_bytes={st.max_ctrl_bytes} (XFER_UCX_MAX_CTRL_BYTES)"
                                            f": split the transfer")
         except XferError as exc:
+            end_grants_soon(job, self.ctx.agent_name)
             t.fail(exc)
             return
         flow = Flow(self.e, key=self.e.flows.new_key(), initiator=True, op=job.op, conn=conn, deadline=t.deadline,
@@ -256,6 +259,8 @@ class Protocol:
             lid = conn.layout_ids[job.local.layout] = len(conn.layout_ids) + 1
             header["layout"] = job.local.layout.to_dict()
         header["lid"] = lid
+        if job.grant is not None:  # issued ahead: the target ends it as it takes this transfer's hold
+            header["grant"] = job.grant
         self.send_ctrl(conn, wire.Kind.REQ, header, job.peer_ids, job.notify)
         flow.requested = conn.ready
         t.mark("requested")
@@ -306,8 +311,11 @@ class Protocol:
                     f"XFER_UCX_DEVICE_CHUNK_BYTES differs)")
             copier, pool = self._copier(region), self.e.slots.pool(kind)
             hold = self.ctx.grants.hold(region, ids, writes=op is Op.WRITE, peer=str(h.get("from")), tid=str(h.get("tid")),
-                                        owner=("ucx", conn.local_id))  # another's unfenced blocks: refused
+                                        owner=("ucx", conn.local_id),  # another's unfenced blocks: refused
+                                        replaces=h.get("grant"))  # a grant issued ahead (xfer.ahead): ended
         except (XferError, ValueError, KeyError, TypeError) as exc:
+            if h.get("grant") is not None:  # refused before any byte landed: its grant issued ahead ends
+                self.ctx.grants.end_ahead(h.get("grant"), str(h.get("from")))
             name, message = error_codec.encode(exc if isinstance(exc, XferError) else InvalidArgumentError(str(exc)))
             self.send_ctrl(conn, wire.Kind.REFUSE, {"k": key, "error": name, "message": message})
             if fresh:

@@ -55,6 +55,7 @@ from ...settings import UcxSettings
 from ...transfer import Op
 from .. import TransportKind
 from ..base import Job, LocalRegion, PeerHandle, Transport
+from ..completion import end_grants_soon
 from .wire import VERSION
 
 __all__ = ["UcxTransport"]
@@ -129,8 +130,12 @@ class UcxTransport(Transport):
             return "the ucx transport is closed"
         return None
 
+    def takes_grant(self, job: Job) -> bool:
+        return True  # its REQ names the grant; the target ends it as it takes the transfer's own hold
+
     def post(self, job: Job) -> None:
         if self._closed:
+            end_grants_soon(job, self.ctx.agent_name)
             job.transfer.fail(TransportError("ucx transport is closed"))
             return
         self._engine.call_soon(self._engine.proto.start, job)
