@@ -214,19 +214,18 @@ def main(argv=None) -> dict:
                         "a whole burst at once, which the grants allow: one initiator's overlapping writes are its "
                         "own order to keep)")
     p.add_argument("--ask-inline", action="store_true",
-                   help="a lone write's grant request sent by the posting thread (OneSidedTransport.ask_inline)")
+                   help="a lone write's grant request sent by the posting thread (XFER_ASK_INLINE)")
     p.add_argument("--ahead", action="store_true",
                    help="also time one request under a grant the target issued ahead (Agent.grant; the token "
                         "passed over the bench's pipe before the clock starts), beside the same write after the "
                         "same pipe exchange without one")
     p.add_argument("--no-stage-ids", action="store_true",
                    help="upload a copy's block ids at its launch, after the grant, not while the grant request "
-                        "travels (OneSidedTransport.stage_ids False: the launch as before issue 32)")
+                        "travels (XFER_STAGE_IDS=0: the launch as before issue 32)")
     args = p.parse_args(argv)
-    from xfer.transports.onesided import OneSidedTransport
-
-    OneSidedTransport.ask_inline = args.ask_inline
-    OneSidedTransport.stage_ids = not args.no_stage_ids
+    # the settings (XFER_ASK_INLINE, XFER_STAGE_IDS) every agent of this run reads, the target's included
+    os.environ["XFER_ASK_INLINE"] = "1" if args.ask_inline else "0"
+    os.environ["XFER_STAGE_IDS"] = "0" if args.no_stage_ids else "1"
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
     dev = f"cuda:{args.device}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import threading
@@ -243,16 +244,14 @@ def main() -> None:
                                                           "sets reused round robin: one initiator's overlapping writes)")
     ap.add_argument("--burst-rounds", type=int, default=20)
     ap.add_argument("--ask-inline", action="store_true",
-                    help="a lone write's grant request sent by the posting thread (OneSidedTransport.ask_inline)")
+                    help="a lone write's grant request sent by the posting thread (XFER_ASK_INLINE)")
     ap.add_argument("--ahead", default="off", choices=("off", "on", "both"),
                     help="each write under a grant its target issued ahead (Agent.grant, untimed); both: each "
                          "transport without, then with")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if args.ask_inline:
-        from xfer.transports.onesided import OneSidedTransport
-
-        OneSidedTransport.ask_inline = True
+    if args.ask_inline:  # the setting every agent of this run reads (the target's too: spawned after)
+        os.environ["XFER_ASK_INLINE"] = "1"
     dims = {**DIMS, "num_layers": args.layers, "block_size": args.block_size,
             "num_blocks": max(DIMS["num_blocks"], 4 * args.blocks)}
     out = []

@@ -52,15 +52,6 @@ class OneSidedTransport(Transport):
     """
 
     describe_copy = False
-    # issue 32, measured switches (class attributes: set by the benches' options, not settings yet):
-    # ask_inline: a lone WRITE's grant request is sent by the posting thread (one send, no wait)
-    # instead of the worker. Off: on the 2-core CPU VM it added ~100 us to write() and took nothing
-    # off the call-to-granted time (the send cost what the hand-off saved).
-    ask_inline = False
-    # stage_ids: a stream copy (ipc, NVSHMEM direct) is prepared while the grant request travels (its
-    # peer tensors mapped, path, and for a kernel launch its block ids uploaded): the launch after the
-    # reply is the kernel's alone. Off: prepared at its launch, as before issue 32 (host copies always are)
-    stage_ids = True
     # the completer waits for a copy in cudaEventSynchronize (no poll); not where a copy's stream
     # may wait on memory only this process's later work sets (NVSHMEM: with it, the two-PE
     # deadline test failed on the H200; with the poll it passed)
@@ -78,6 +69,10 @@ class OneSidedTransport(Transport):
         self._queued = 0  # jobs handed to the worker and not launched (or ended) yet (under _order)
         # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread
         self._inline = ctx.config.settings.onesided.launch_inline
+        # XFER_ASK_INLINE: a lone WRITE's grant request sent by the posting thread; XFER_STAGE_IDS: a
+        # stream copy prepared while its grant request travels (host copies are prepared at launch)
+        self.ask_inline = ctx.config.settings.onesided.ask_inline
+        self.stage_ids = ctx.config.settings.onesided.stage_ids
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
         self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
         self._grace = ctx.config.settings.fence.grace_s
@@ -121,8 +116,8 @@ class OneSidedTransport(Transport):
                 return
             # (ask_inline) a WRITE when nothing waits before it: its grant request leaves now
             # (one send, no wait), so the worker's wake-up and the copy's preparation overlap the round trip
-            ask = self._ask_now(job) if self._inline and self.ask_inline and job.op is Op.WRITE and self._queued == 0 \
-                else None
+            lone = self._inline and self.ask_inline and job.op is Op.WRITE and job.grant is None and self._queued == 0
+            ask = self._ask_now(job) if lone else None
             self._queued += 1
             self._jobs.put((job, ask))
 
