@@ -206,7 +206,7 @@ def test_claims_claim_and_release_exclude_each_other():
     with pytest.raises(Exception) as e:
         c.claim("B", 1)
     assert type(e.value).__name__ == "InvalidArgumentError"
-    c.claim("C", 2)  # per target
+    c.claim("C", 2)  # per target agent (a restarted target counts its grant ids afresh)
     assert c.release("B", ["x", True, None]) == ([], [])
 
 
@@ -224,8 +224,11 @@ def test_claims_stay_bounded_and_refuse_what_they_forgot():
 def test_a_malformed_release_is_refused_and_the_server_answers_on():
     c = Claims()
     with pytest.raises(Exception) as e:
-        c.on_release({"from": "B", "grants": "all"})
+        c.on_release({"from": "B", "agent": "b-id", "grants": "all"})
+    assert type(e.value).__name__ == "InvalidArgumentError"
+    with pytest.raises(Exception) as e:
+        c.on_release({"from": "B", "grants": [1]})  # no agent id
     assert type(e.value).__name__ == "InvalidArgumentError"
     big = list(range(1, 10_000))
-    reply = c.on_release({"from": "B", "grants": big})
+    reply = c.on_release({"from": "B", "agent": "b-id", "grants": big})
     assert len(reply["released"]) == 4096 and reply["claimed"] == []

@@ -45,8 +45,9 @@ _CLAIMED, _RELEASED = 1, 2
 
 
 class Claims:
-    """The initiator's record of the tokens it was handed, per target name: claimed (a write took
-    it) or released (the target took it back unused). One lock makes a claim and a release one
+    """The initiator's record of the tokens it was handed, per target agent id (a restarted target
+    under the same name is another agent, its grant ids counted afresh): claimed (a write took it)
+    or released (the target took it back unused). One lock makes a claim and a release one
     step each. Bounded: past :data:`CLAIMS_MAX` entries the oldest are dropped and every token of
     that target at or below the highest id dropped is refused (``_floor``); a release of such an
     id answers *claimed* (it may be a write in flight whose entry was dropped)."""
@@ -60,16 +61,17 @@ class Claims:
     def __len__(self) -> int:
         return len(self._table)
 
-    def claim(self, target: str, hid: int) -> None:
-        """Take grant ``hid`` of ``target`` for a write, or raise (nothing moved)."""
-        key = (target, hid)
+    def claim(self, target: str, hid: int, name: str | None = None) -> None:
+        """Take grant ``hid`` of ``target`` (an agent id; ``name``: its name, for the errors) for a
+        write, or raise (nothing moved)."""
+        key, who = (target, hid), name or target
         with self._lock:
             state = self._table.get(key)
             if state == _CLAIMED:
-                raise InvalidArgumentError(f"grant {hid} of {target!r} was used by a write already: a grant "
+                raise InvalidArgumentError(f"grant {hid} of {who!r} was used by a write already: a grant "
                                            f"serves one write")
             if state == _RELEASED or hid <= self._floor.get(target, 0):
-                raise RevokedError(f"grant {hid} of {target!r} was given back (the target revoked its blocks) "
+                raise RevokedError(f"grant {hid} of {who!r} was given back (the target revoked its blocks) "
                                    f"before this write: nothing moved")
             self._table[key] = _CLAIMED
             self._trim()
@@ -98,11 +100,11 @@ class Claims:
             self._floor[target] = max(self._floor.get(target, 0), hid)
 
     def on_release(self, header: dict) -> dict:
-        """The control message ``grant_release`` (the target's ``from`` is authenticated)."""
-        hids = header.get("grants")
-        if not isinstance(hids, list):
-            raise InvalidArgumentError("grant_release carries no list of grants")
-        released, claimed = self.release(str(header.get("from")), hids[:4096])
+        """The control message ``grant_release`` from the target agent ``agent`` (its id)."""
+        hids, agent = header.get("grants"), header.get("agent")
+        if not isinstance(hids, list) or not isinstance(agent, str):
+            raise InvalidArgumentError("grant_release carries no list of grants or no agent id")
+        released, claimed = self.release(agent[:128], hids[:4096])
         return {"ok": True, "released": released, "claimed": claimed}
 
 
@@ -142,7 +144,8 @@ class Ahead:
         if handle is None:
             return
         try:
-            reply, _ = handle.request({"type": "grant_release", "from": self.name, "grants": [hold.id]},
+            reply, _ = handle.request({"type": "grant_release", "from": self.name, "agent": self.agent_id,
+                                       "grants": [hold.id]},
                                       deadline=time.monotonic() + self._bound_s)
         except XferError:
             return  # unreachable: the hold stays (revoke's bound says so; a dead initiator's is reaped)
@@ -178,7 +181,7 @@ class Ahead:
         if len(blocks) != peer_ids.size or blocks != peer_ids.tolist():
             raise InvalidArgumentError(f"the write's destination blocks must be the granted ones, in the granted "
                                        f"order: granted {_short(blocks)}, written {_short(peer_ids.tolist())}")
-        self.claims.claim(md.name, hid)
+        self.claims.claim(md.agent_id, hid, md.name)
         return hid
 
     def give_back(self, handle, hid: int, deadline: float) -> None:
