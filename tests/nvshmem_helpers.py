@@ -321,10 +321,12 @@ def _pe_main(conn, group_kw, config_kw):
             return agent.metadata()
         if cmd == "connect":
             return agent.connect(a["metadata"])
-        if cmd == "transfer":  # op, peer, src, dst, region, peer_region, timeout, notify
+        if cmd == "grant":  # peer, blocks -> the token of a grant issued ahead (xfer.ahead)
+            return agent.grant(a["peer"], a["blocks"])
+        if cmd == "transfer":  # op, peer, src, dst, region, peer_region, timeout, notify[, grant: a write's token]
             t = getattr(agent, a["op"])(a["peer"], a["src"], a["dst"], region=a.get("region"),
                                         peer_region=a.get("peer_region"), notify=a.get("notify", b""),
-                                        timeout=a.get("timeout", 60.0))
+                                        timeout=a.get("timeout", 60.0), **({"grant": a["grant"]} if "grant" in a else {}))
             try:
                 t.wait()
                 return {"state": t.poll().name, "id": t.id, "ms": 1e3 * t.elapsed}

@@ -663,11 +663,18 @@ def test_gpu_two_pes_direct_between_symmetric_pools(devices):
             theirs = fetch(d, "kv", layout)
             assert_blocks_equal(layout, fetch(p, "kv", layout), [3, 4, 5], layout, theirs, [10, 0, 31])
             assert_untouched(layout, theirs, [10, 0, 31])
+            connect(d, p)  # a write under a grant the target issued ahead (xfer.ahead): no grant asked
+            token = d.call("grant", {"peer": "pe0", "blocks": [20, 21]})
+            res = transfer(p, "write", "pe1", [6, 7], [20, 21], timeout=30, grant=token)
+            assert res["state"] == "DONE", res
+            theirs = fetch(d, "kv", layout)
+            assert_blocks_equal(layout, fetch(p, "kv", layout), [3, 4, 5, 6, 7], layout, theirs, [10, 0, 31, 20, 21])
+            assert_untouched(layout, theirs, [10, 0, 31, 20, 21])
             p.call("poison", {"region": "kv"})
             res = transfer(p, "read", "pe1", [10], [1], timeout=30)
             assert res["state"] == "DONE", res
             assert_blocks_equal(layout, theirs, [10], layout, fetch(p, "kv", layout), [1])
-            assert p.call("stats") == {"direct_write": 1, "direct_read": 1}
+            assert p.call("stats") == {"direct_write": 2, "direct_read": 1}
             closed = close_group([p, d])
             assert all(c["teardown"][0].startswith("finalized") for c in closed), closed
         finally:
