@@ -75,6 +75,18 @@ def _slow(delay: float) -> None:
     _slow_copies(delay)
 
 
+def local_transports() -> list[str]:
+    """The transports two agents of this host can test here: ``local``, and ``ucx`` where ucxx imports."""
+    out = ["local"]
+    try:
+        import ucxx  # noqa: F401
+
+        out.append("ucx")
+    except ImportError:
+        pass
+    return out
+
+
 def _side_main(conn, name, transport, kind, dims, netns, env, bind, config):
     try:
         if netns:

@@ -25,8 +25,8 @@ import time
 import pytest
 import torch
 
-from fence_helpers import (REFILL, Side, busy_cores, changed_any, freeze, kill, record, refilled,  # noqa: F401
-                           wait_for, watch)
+from fence_helpers import (REFILL, Side, busy_cores, changed_any, freeze, kill, local_transports, record,  # noqa: F401
+                           refilled, wait_for, watch)
 from xfer import AgentConfig, LayoutKind
 
 KIND = LayoutKind.VLLM_FLASH_ATTN_NHD
@@ -42,17 +42,6 @@ GRACE, BOUND = (_FENCE.grace_s, _FENCE.bound_s) if _FENCE else (1.0, 5.0)
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("busy_cores")]
-
-
-def _transports():
-    out = ["local"]
-    try:
-        import ucxx  # noqa: F401
-
-        out.append("ucx")
-    except ImportError:
-        pass
-    return out
 
 
 class Trio:
@@ -99,7 +88,7 @@ class Trio:
 def _trio_transports():
     """The transports of the shared trio: ``ucx-veth`` too (A and C in one network namespace, B in
     the other, joined by a veth pair) where namespaces can be made."""
-    out = _transports()
+    out = local_transports()
     if "ucx" in out:
         from ucx_helpers import netns_skip_reason
 
@@ -264,7 +253,7 @@ def test_an_initiator_with_its_checks_patched_out_lands_nothing(trio):
 
 
 # ---- frozen and killed sides: fresh processes each ----------------------------------------------------
-@pytest.fixture(params=_transports())
+@pytest.fixture(params=local_transports())
 def fresh(request):
     made = []
 
@@ -354,7 +343,7 @@ def test_kill_9_of_the_target_mid_transfer(fresh, op):
     _check_fence(f"kill -9 target mid-{op.upper()}", t.transport, state, None, changed, before)
 
 
-@pytest.mark.parametrize("transport", _transports())
+@pytest.mark.parametrize("transport", local_transports())
 def test_the_issues_128_mib_read_cancelled_as_its_first_bytes_land(transport):
     """The issue's measurement as it was made: 64 layers x K/V x 128 blocks x 8 KiB (128 MiB), the
     default copy chunk (64 MiB, local) and UCX settings, nothing slowed; cancelled the moment its

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from fence_helpers import Side, kill, wait_for
+from fence_helpers import Side, kill, local_transports, wait_for
 from xfer import LayoutKind
 from xfer.ahead import Claims
 
@@ -26,17 +26,6 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS"
 SECRET = "grant-ahead-test-secret-0123456789"
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _transports():
-    out = ["local"]
-    try:
-        import ucxx  # noqa: F401
-
-        out.append("ucx")
-    except ImportError:
-        pass
-    return out
 
 
 class Trio:
@@ -58,7 +47,7 @@ class Trio:
             s.close()
 
 
-@pytest.fixture(scope="module", params=_transports())
+@pytest.fixture(scope="module", params=local_transports())
 def trio(request):
     t = Trio(request.param)
     t.transport = request.param

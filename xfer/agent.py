@@ -251,10 +251,8 @@ class Agent:
         check_pair(self.name, local, handle.name, record)
         return self._select(local, handle, record, Op(op))
 
-    def _resolve(self, peer: str, region: str | None, peer_region: str | None):
-        handle = self._peers.get(peer)
-        if handle is None:
-            raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+    def _local(self, region: str | None) -> LocalRegion:
+        """The registered region ``region`` (None: the only one)."""
         if region is None:
             if len(self._regions) != 1:
                 raise NotRegisteredError(f"agent {self.name!r} has regions {sorted(self._regions)}: name one")
@@ -262,9 +260,16 @@ class Agent:
         local = self._regions.get(region)
         if local is None:
             raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
+        return local
+
+    def _resolve(self, peer: str, region: str | None, peer_region: str | None):
+        handle = self._peers.get(peer)
+        if handle is None:
+            raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
+        local = self._local(region)
         regions = handle.metadata.regions
-        if peer_region is None:
-            peer_region = region if region in regions or len(regions) != 1 else next(iter(regions))
+        if peer_region is None:  # the peer's region of the same name, else its only one
+            peer_region = local.name if local.name in regions or len(regions) != 1 else next(iter(regions))
         record = regions.get(peer_region)
         if record is None:
             raise NotRegisteredError(f"peer {peer!r} has no region {peer_region!r}; it has {sorted(regions)}")
@@ -441,11 +446,7 @@ class Agent:
             handle = self._peers.get(peer)
             if handle is None:
                 raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
-            if region is None and len(self._regions) != 1:
-                raise NotRegisteredError(f"agent {self.name!r} has regions {sorted(self._regions)}: name one")
-            local = self._regions.get(next(iter(self._regions)) if region is None else region)
-            if local is None:
-                raise NotRegisteredError(f"region {region!r} is not registered; registered: {sorted(self._regions)}")
+            local = self._local(region)
         return self._ahead.grant(local, handle, blocks)
 
     def revoke(self, blocks, *, region: str | None = None, timeout: float | None = None) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 
 from .errors import AuthenticationError, InvalidArgumentError, RevokedError, XferError
 from .guard import loads
+from .transports.completion import raise_remote
 
 __all__ = ["Ahead", "Claims", "TOKEN_MAX_BYTES"]
 
@@ -186,8 +187,6 @@ class Ahead:
 
     def give_back(self, handle, hid: int, deadline: float) -> None:
         """End a claimed grant unused (its route's target takes its own hold): one round trip."""
-        from .transports.completion import raise_remote
-
         reply, _ = handle.request({"type": "grant_end", "from": self.name, "grants": [hid]}, deadline=deadline)
         raise_remote(reply, handle.name)
 

@@ -139,10 +139,15 @@ class Grants:
             self._live[h.id] = h
         return h
 
+    def _of(self, hid, peer: str) -> Hold | None:
+        """(under the lock) The live hold ``hid`` (a peer's int, unchecked) of ``peer``, or None."""
+        h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
+        return h if h is not None and h.peer == peer else None
+
     def _replace(self, hid, region: LocalRegion, ids: np.ndarray, writes: bool, peer: str) -> None:
         """(under the lock) End grant ``hid`` issued ahead to ``peer`` for this transfer's blocks."""
-        h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
-        if h is None or h.peer != peer:
+        h = self._of(hid, peer)
+        if h is None:
             raise NotRegisteredError(f"no grant {hid!r} of {peer!r} is live here (ended, or never granted)")
         if not (writes and h.writes and h.region is region and np.array_equal(h.ids, ids)):
             raise InvalidArgumentError(f"grant {hid} covers other blocks than the transfer naming it")
@@ -154,8 +159,8 @@ class Grants:
         """End grant ``hid`` issued ahead to ``peer``: the transfer naming it was refused before any
         byte of it landed (a grant serves one transfer). No such grant: nothing."""
         with self._lock:
-            h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
-            if h is not None and h.peer == peer:
+            h = self._of(hid, peer)
+            if h is not None:
                 self._end(h)
 
     def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool, owner) -> Hold | None:
@@ -198,8 +203,8 @@ class Grants:
         """End hold ``hid`` of ``peer`` (its initiator's notice or end notice came) and return it
         (check ``revoked`` before delivering anything of it); None if there is no such hold. The
         caller holds :meth:`closing`, so the check and a delivery are one step."""
-        h = self._live.get(hid) if isinstance(hid, int) and not isinstance(hid, bool) else None
-        if h is None or h.peer != peer:
+        h = self._of(hid, peer)
+        if h is None:
             return None
         self._end(h)
         return h
