@@ -22,16 +22,16 @@ from .error_codec import error_reply
 from .guard import warn_if_exposed
 from .inbox import Inbox
 from .errors import (AgentClosedError, InvalidArgumentError, LayoutError, LayoutMismatchError, LengthMismatchError,
-                     MetadataError, NotRegisteredError, PeerNotConnectedError, XferError, TransportUnavailableError)
+                     MetadataError, NotRegisteredError, PeerNotConnectedError, XferError)
 from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
 from .transfer import Notification, Op, Transfer
-from .transports import PREFERENCE, TransportKind, load
+from .transports import start as start_transports
 from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
 from .transports.grants import Grants
-from .plan import Plan as _Plan, check_pair, host_id, slow_route, unservable
+from .plan import Plan as _Plan, Router, check_pair, check_post, host_id, unservable
 
 __all__ = ["Agent"]
 
@@ -59,11 +59,9 @@ class Agent:
         self._exports: dict[str, dict] = {}
         self._peers: dict[str, PeerHandle] = {}
         self._clients: dict[str, ControlClient] = {}
-        self._routes: dict[tuple, Selection] = {}
         # (peer, region, peer_region, is a write) -> what a post needs, its regions resolved, layouts
         # found compatible and route chosen once; emptied by register, deregister, connect, disconnect
         self._plans: dict[tuple, _Plan] = {}
-        self._slow_warned: set[str] = set()  # agent ids of the peers a slow-route warning named
         self._inflight: set[Transfer] = set()
         self._prune_at = 64
         here = host_id()
@@ -79,26 +77,13 @@ class Agent:
                                log=log, auth=self._auth, region=self._regions.get,
                                regions=lambda: list(self._regions.values()), deliver=self._inbox.deliver,
                                grants=self._grants)
-        self.transports: dict[TransportKind, object] = {}
-        self.unavailable: dict[TransportKind, str] = {}
-        for kind in PREFERENCE:
-            if self.config.enable is not None and kind not in self.config.enable:
-                self.unavailable[kind] = f"{kind.value}: not enabled (AgentConfig.enable)"
-                continue
-            cls = load(kind)
-            reason = cls if isinstance(cls, str) else cls.probe()
-            if reason is None:
-                try:
-                    self.transports[kind] = cls(ctx)
-                except TransportUnavailableError as exc:  # e.g. nvshmem without a group configured
-                    reason = f"{kind.value}: {exc}"
-            if reason is not None:
-                self.unavailable[kind] = reason
+        self.transports, self.unavailable = start_transports(config, ctx)
+        self.metrics = Metrics(name)
+        self._router = Router(name, here, config, self.transports, self.unavailable, self.metrics)
         self._server = ControlServer(self.config.listen_host, self.config.listen_port, self._handle,
                                      max_payload=self.config.max_notify_bytes, auth=self._auth,
                                      identity=(self.agent_id, name), limits=config.settings.control)
-        self._host_id = ctx.host_id
-        self.metrics = Metrics(name)
+        self._host_id = here
         warn_if_exposed(log, name, self._auth is not None, {"control port": self.address[0], **{
             f"{k.value} listener": t.info().get("bind") for k, t in self.transports.items()}})
 
@@ -149,7 +134,7 @@ class Agent:
             self._exports.pop(name, None)
             for transport in self.transports.values():
                 transport.release_region(region)
-            self._routes = {k: v for k, v in self._routes.items() if k[1] != name}
+            self._router.forget(region=name)
             self._plans = {}
 
     # ---- peers -------------------------------------------------------------------------------
@@ -204,7 +189,7 @@ class Agent:
                     transport.disconnect(self._peers[md.name].metadata.agent_id)
             self._clients[md.name] = client
             self._peers[md.name] = PeerHandle(metadata=md, request=client.request)
-            self._routes = {k: v for k, v in self._routes.items() if k[0] != md.name}
+            self._router.forget(peer=md.name)
             self._plans = {}
         return md.name
 
@@ -228,7 +213,7 @@ class Agent:
             if handle is None:
                 raise PeerNotConnectedError(f"no peer named {peer!r}; connected: {sorted(self._peers)}")
             self._clients.pop(peer).close()
-            self._routes = {k: v for k, v in self._routes.items() if k[0] != peer}
+            self._router.forget(peer=peer)
             self._plans = {}
         for transport in self.transports.values():
             transport.disconnect(handle.metadata.agent_id)
@@ -249,7 +234,7 @@ class Agent:
         self._check_open()
         local, handle, record = self._resolve(peer, region, peer_region)
         check_pair(self.name, local, handle.name, record)
-        return self._select(local, handle, record, Op(op))
+        return self._router.select(local, handle, record, Op(op))
 
     def _local(self, region: str | None) -> LocalRegion:
         """The registered region ``region`` (None: the only one)."""
@@ -274,53 +259,6 @@ class Agent:
         if record is None:
             raise NotRegisteredError(f"peer {peer!r} has no region {peer_region!r}; it has {sorted(regions)}")
         return local, handle, record
-
-    def _select(self, local: LocalRegion, handle: PeerHandle, record: RegionRecord, op: Op) -> Selection:
-        key = (handle.name, local.name, record.name, op)
-        if key in self._routes:
-            return self._routes[key]
-        pinned = self.config.transport
-        rejected = {}
-        for kind in PREFERENCE:
-            if pinned is not None and kind is not pinned:
-                continue
-            transport = self.transports.get(kind)
-            if transport is None:
-                reason = self.unavailable[kind].removeprefix(f"{kind.value}: ")
-            elif kind.value not in handle.metadata.transports:
-                reason = f"peer {handle.name!r} does not offer {kind.value}"
-            else:
-                reason = transport.check_route(local, handle, record, op)
-            if reason is None:
-                why = "pinned by config" if pinned is not None else (
-                    f"first of {[k.value for k in PREFERENCE]} able to serve this pair")
-                sel = Selection(kind=kind, reason=why, rejected=rejected)
-                self.metrics.route(handle.name, kind.value)
-                log.info("xfer route %s:%s -> %s:%s (%s): %s", self.name, local.name, handle.name, record.name,
-                         op.value, sel)
-                self._routes[key] = sel
-                self._warn_if_slow(local, handle, record, sel)
-                return sel
-            rejected[kind.value] = reason
-        if pinned is not None:
-            raise TransportUnavailableError(f"pinned transport {pinned.value!r} cannot serve {self.name}:{local.name} "
-                                            f"-> {handle.name}:{record.name}: {rejected[pinned.value]}")
-        raise TransportUnavailableError(f"no transport can serve {self.name}:{local.name} -> {handle.name}:"
-                                        f"{record.name}: " + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
-
-    def _warn_if_slow(self, local: LocalRegion, handle: PeerHandle, record: RegionRecord, sel: Selection) -> None:
-        """One warning per peer (not per region: an engine registers one region per layer) when
-        two agents of one host got ``ucx`` because the faster paths refused them; none where this
-        config left out both of them (``AgentConfig.enable``)."""
-        enable = self.config.enable
-        if enable is not None and TransportKind.LOCAL not in enable and TransportKind.IPC not in enable:
-            return
-        if handle.metadata.agent_id in self._slow_warned:
-            return
-        line = slow_route(self.name, self._host_id, local, handle, record, sel)
-        if line is not None:
-            self._slow_warned.add(handle.metadata.agent_id)
-            log.warning("xfer slow route: %s (logged once per peer)", line)
 
     # ---- transfers ---------------------------------------------------------------------------
     def write(self, peer: str, src_blocks, dst_blocks, *, region: str | None = None, peer_region: str | None = None,
@@ -349,22 +287,7 @@ class Agent:
               after="stream", grant=None) -> Transfer:
         if self._closed:
             self._check_open()
-        # the defaults (no deadline given, no payload, after="stream") pass without a check each:
-        # a post meets cold caches, where every call and isinstance costs microseconds
-        if after is not None and not (after.__class__ is str and after == "stream") and \
-                not isinstance(after, torch.cuda.Event):
-            raise InvalidArgumentError(f"after must be 'stream', a torch.cuda.Event or None, got {after!r}")
-        if timeout is None:
-            timeout = self.config.default_timeout_s  # validated by AgentConfig
-        elif not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
-            raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        if notify.__class__ is not bytes:
-            if not isinstance(notify, (bytes, bytearray)):
-                raise InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
-            notify = bytes(notify)
-        if len(notify) > self.config.max_notify_bytes:
-            raise InvalidArgumentError(f"notify payload of {len(notify)} bytes exceeds max_notify_bytes="
-                                       f"{self.config.max_notify_bytes}")
+        timeout, notify = check_post(after, timeout, notify, self.config)
         with self._lock:
             plan = self._plans.get((peer, region, peer_region, op is Op.WRITE))  # (an enum's hash runs Python)
             if plan is None:
@@ -410,7 +333,7 @@ class Agent:
         local, handle, record = self._resolve(peer, region, peer_region)
         check_pair(self.name, local, handle.name, record)
         src_layout, dst_layout = (local.layout, record.layout) if op is Op.WRITE else (record.layout, local.layout)
-        selection = self._select(local, handle, record, op)
+        selection = self._router.select(local, handle, record, op)
         plan = _Plan(local=local, handle=handle, record=record, src_layout=src_layout, dst_layout=dst_layout,
                      transport=self.transports[selection.kind], kind=selection.kind.value,
                      cuda=local.device.type == "cuda", block_bytes=local.layout.bytes_per_block)

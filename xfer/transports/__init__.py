@@ -16,8 +16,9 @@ from __future__ import annotations
 import importlib
 
 from ..config import TransportKind
+from ..errors import TransportUnavailableError
 
-__all__ = ["TransportKind", "PREFERENCE", "load"]
+__all__ = ["TransportKind", "PREFERENCE", "load", "start"]
 
 
 # tried in this order when no transport is pinned: the most direct path first
@@ -43,3 +44,23 @@ def load(kind: TransportKind):
     except ImportError as exc:
         return f"{kind.value}: import failed: {exc}"
     return getattr(mod, cls)
+
+
+def start(config, ctx) -> tuple[dict, dict]:
+    """Start every transport ``config`` enables (``AgentConfig.enable``; None: all) that can run
+    here, in ``PREFERENCE`` order: (started transports by kind, why each other one is not)."""
+    started, unavailable = {}, {}
+    for kind in PREFERENCE:
+        if config.enable is not None and kind not in config.enable:
+            unavailable[kind] = f"{kind.value}: not enabled (AgentConfig.enable)"
+            continue
+        cls = load(kind)
+        reason = cls if isinstance(cls, str) else cls.probe()
+        if reason is None:
+            try:
+                started[kind] = cls(ctx)
+            except TransportUnavailableError as exc:  # e.g. nvshmem without a group configured
+                reason = f"{kind.value}: {exc}"
+        if reason is not None:
+            unavailable[kind] = reason
+    return started, unavailable
