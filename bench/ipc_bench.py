@@ -192,6 +192,25 @@ def pull_bursts(agent, peer, target, layout, tensors, srcs, sets, iters: int, wi
     return rows
 
 
+def _profile_writes(write, prep, grant, n: int = 40) -> None:
+    """cProfile of ``n`` granted writes' ``write(token)`` calls alone, each waited for outside it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        prep()
+        token = grant()
+        prof.enable()
+        t = write(token)
+        prof.disable()
+        t.wait()
+    print(f"where {n} granted write() calls spend their time (the launch runs in them):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
 def main(argv=None) -> dict:
     from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
@@ -331,21 +350,27 @@ def main(argv=None) -> dict:
                                           ("xfer write granted ahead, one request end to end",
                                            lambda: tokens.append(target.call("grant", (agent.name, dst.tolist()))),
                                            lambda: tokens.pop())):
-                    times, tls = [], []
+                    times, tls, posts = [], [], []
                     for k in range(args.iters + 3):
                         torch.cuda.synchronize()
                         prep()
+                        token = grant()
                         t0 = time.perf_counter()
-                        t = agent.write(peer, src, dst, grant=grant())
+                        t = agent.write(peer, src, dst, grant=token)
+                        posted = time.perf_counter()
                         t.wait()
                         torch.cuda.synchronize()
                         if k >= 3:
                             times.append(1e3 * (time.perf_counter() - t0))
+                            posts.append(1e3 * (posted - t0))
                             tls.append(t.timeline())
                     rows.append({"name": name, "ms": statistics.median(times), "p99_ms": float(np.percentile(times, 99))})
                     if "granted ahead" in name:
                         ahead_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in tls)
                                         for k in tls[-1]}
+                        ahead_phases["write() returned"] = statistics.median(posts)
+                        if args.profile:  # where the posting thread's time goes (the launch runs in it)
+                            _profile_writes(lambda tok: agent.write(peer, src, dst, grant=tok), prep, grant)
                 target.call("drain")
             ms, p99 = median_ms(burst, max(3, args.iters // 4))
             rows.append({"name": "xfer write, 8 back to back (per request)", "ms": ms / 8, "p99_ms": p99 / 8})
