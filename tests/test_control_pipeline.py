@@ -1,7 +1,8 @@
 """The control client's pipelined requests (issue 32): several requests in flight on one
 connection, each reply handed to the request it answers, a waiter that gives up at its deadline
 drops its reply without desynchronising the stream, and a broken stream fails every request in
-flight (the next one connects afresh)."""
+flight (the next one connects afresh). Each runs also with both sides polling instead of sleeping
+(XFER_CONTROL_SPIN_US)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from xfer.errors import PeerDisconnectedError, TransferTimeoutError
 SECRET = b"pipeline-test-secret-0123456789"
 
 
-@pytest.fixture(params=[None, SECRET], ids=["plain", "secret"])
+@pytest.fixture(params=[(None, 0), (SECRET, 0), (SECRET, 500)], ids=["plain", "secret", "secret-spin"])
 def channel(request):
     from xfer.auth import Authenticator
+    from xfer.settings import ControlSettings
 
-    auth = None if request.param is None else Authenticator(request.param)
+    secret, spin_us = request.param
+    auth = None if secret is None else Authenticator(secret)
     seen, hold = [], threading.Event()
 
     def handler(header, payload):
@@ -31,8 +34,10 @@ def channel(request):
             hold.wait(5)
         return {"ok": True, "n": header.get("n")}, payload[::-1]
 
-    server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, auth=auth, identity=("srv-id", "srv"))
-    client = ControlClient(server.address, "srv", 5.0, auth, identity=("cli-id", "cli"), peer_id="srv-id")
+    server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, auth=auth, identity=("srv-id", "srv"),
+                           limits=ControlSettings(spin_us=spin_us))
+    client = ControlClient(server.address, "srv", 5.0, auth, identity=("cli-id", "cli"), peer_id="srv-id",
+                           spin_s=spin_us * 1e-6)
     yield server, client, seen, hold
     client.close()
     server.close()

@@ -163,7 +163,8 @@ class Agent:
             raise InvalidArgumentError(f"agent {self.name!r} cannot connect to itself")
         client = ControlClient(md.control, md.name, self.config.connect_timeout_s, auth=self._auth,
                                identity=(self.agent_id, self.name), peer_id=md.agent_id,
-                               max_header=self.config.settings.control.max_header)
+                               max_header=self.config.settings.control.max_header,
+                               spin_s=self.config.settings.control.spin_us * 1e-6)
         deadline = time.monotonic() + self.config.connect_timeout_s
         reply, _ = client.request({"type": "hello", "from": self.name, "agent_id": self.agent_id}, deadline=deadline)
         try:

@@ -124,10 +124,13 @@ class ControlServer:
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         next_check = 0.0
+        spin, busy = self.limits.spin_us * 1e-6, 0.0  # busy: when the loop last served a request
         while not self._closed:
             try:
                 now = time.monotonic()
                 timeout = 1.0 if not self._peers else 0.25
+                if spin and now - busy < spin:  # (XFER_CONTROL_SPIN_US) poll: the next request comes soon
+                    timeout = 0.0
                 if self._accept_paused_until:
                     timeout = min(timeout, max(self._accept_paused_until - now, 0.0))
                 for key, mask in self._sel.select(timeout=timeout):
@@ -137,6 +140,7 @@ class ControlServer:
                         self._accept()
                     elif key.data in self._peers:
                         self._serve(key.data, mask)
+                        busy = time.monotonic()
                 now = time.monotonic()
                 if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0

@@ -46,6 +46,19 @@ def _ready(sock: socket.socket, event: int, timeout: float) -> bool:
     return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
 
 
+def _spin_recv(sock: socket.socket, window: float) -> bytes | None:
+    """What ``sock`` has within ``window`` seconds, polled without sleeping (each try a
+    non-blocking recv, the GIL released in it); None: nothing came (the caller sleeps in recv)."""
+    end = time.monotonic() + window
+    sock.setblocking(False)
+    while True:
+        try:
+            return sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= end:
+                return None
+
+
 class Pending:
     """One request sent and not answered yet: :meth:`ControlClient.result` waits for its reply."""
 
@@ -62,10 +75,12 @@ class ControlClient:
     names (the handshake fails with :class:`MetadataError` if another agent answers)."""
 
     def __init__(self, address: tuple[str, int], peer: str, connect_timeout: float, auth=None, *,
-                 identity: tuple[str, str] = ("", "?"), peer_id: str | None = None, max_header: int = 1 << 20):
+                 identity: tuple[str, str] = ("", "?"), peer_id: str | None = None, max_header: int = 1 << 20,
+                 spin_s: float = 0.0):
         self.address, self.peer, self._connect_timeout, self._auth = address, peer, connect_timeout, auth
         self._id, self._name = identity
         self._peer_id, self._max_header = peer_id, max_header
+        self._spin_s = spin_s  # a reply is polled for this long before the reader sleeps in recv
         self._sock: socket.socket | None = None
         self._session: Session | None = None
         self._proof = b""  # our PROOF, sent in front of the first request
@@ -260,11 +275,13 @@ class ControlClient:
                 if sock is None:  # (a reset between; its requests are failed)
                     time.sleep(min(left, 0.001))
                     return
-                sock.settimeout(left)
-                try:
-                    data = sock.recv(1 << 16)
-                except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
-                    continue
+                data = _spin_recv(sock, min(self._spin_s, left)) if self._spin_s else None
+                if data is None:
+                    sock.settimeout(left)
+                    try:
+                        data = sock.recv(1 << 16)
+                    except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
+                        continue
                 if not data:
                     raise ConnectionError("connection closed by peer")
                 with self._cv:

@@ -62,6 +62,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("XFER_CONTROL_BUFFER_BYTES", "control", "buffer_bytes", "bytes", 64 << 20, "bytes",
          "bytes of unfinished frames the control port holds over all connections; past it the connection holding "
          "most is closed"),
+    Knob("XFER_CONTROL_SPIN_US", "control", "spin_us", "int", 0, "us",
+         "the control channel polls instead of sleeping for this long: a client waiting for a reply, the server "
+         "after each request it answered (one core busy meanwhile; a sleeping thread's wake-up costs tens of us on "
+         "an idle VM core, on every round trip of a lone transfer); 0: off"),
     Knob("XFER_FENCE_GRACE_S", "fence", "grace_s", "float", 1.0, "s",
          "a stopping transfer waits this long for its peer's confirmation (ucx: that it dropped the flow; local, "
          "ipc: the reply to its last notice) before ucx closes the connection to end the flow's receives"),
@@ -298,6 +302,7 @@ class ControlSettings:
     idle_s: float = 300.0
     max_header: int = 1 << 20
     buffer_bytes: int = 64 << 20
+    spin_us: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_conns", "max_conns_per_host", "max_pending"):
@@ -307,6 +312,8 @@ class ControlSettings:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and 0 < value < float("inf"),
                    f"control.{name} must be a finite number > 0 seconds, got {value!r}")
+        _check(isinstance(self.spin_us, int) and 0 <= self.spin_us <= 1_000_000,
+               f"control.spin_us must be an int in 0 .. 1000000, got {self.spin_us!r}")
         _check(isinstance(self.max_header, int) and 4096 <= self.max_header < 1 << 32,
                f"control.max_header must be an int in 4096 .. 2**32-1, got {self.max_header!r}")
         _check(isinstance(self.buffer_bytes, int) and self.buffer_bytes >= 2 * self.max_header,
