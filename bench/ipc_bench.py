@@ -192,6 +192,34 @@ def pull_bursts(agent, peer, target, layout, tensors, srcs, sets, iters: int, wi
     return rows
 
 
+def _burst_timeline(post, k: int, copy_ms: float) -> dict:
+    """Post ``k`` writes back to back, wait, and print when each reached each phase (ms from the
+    first post) for every 8th one, and the copies' gaps: the time between one copy's end and the
+    next one's, beyond a copy's own ``copy_ms``. Returns the summary."""
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    ts = [post(i) for i in range(k)]
+    posted = time.monotonic() - t0
+    for t in ts:
+        t.wait()
+    lines = []
+    for i, t in enumerate(ts):
+        tl = {name: 1e3 * (at - t0) for name, at in t.marks}
+        tl["created"] = 1e3 * (t.created - t0)
+        lines.append(tl)
+    keys = ["created", "asked", "granted", "launched", "copied", "acked"]
+    print(f"burst of {k}: posted in {1e3 * posted:.2f} ms; ms from the first post (every 8th write):")
+    print("  i  " + "  ".join(f"{k:>8}" for k in keys))
+    for i in range(0, k, 8):
+        print(f"{i:3d}  " + "  ".join(f"{lines[i].get(key, float('nan')):8.2f}" for key in keys))
+    copied = [tl.get("copied", float("nan")) for tl in lines]
+    gaps = [max(0.0, copied[i] - copied[i - 1] - copy_ms) for i in range(1, k)]
+    out = {"posted_ms": 1e3 * posted, "first_launch_ms": lines[0].get("launched"), "last_copied_ms": copied[-1],
+           "gaps_over_copy_ms": sum(gaps), "largest_gap_ms": max(gaps)}
+    print("  " + ", ".join(f"{key} {v:.2f}" for key, v in out.items()))
+    return out
+
+
 def _profile_writes(write, prep, grant, n: int = 40) -> None:
     """cProfile of ``n`` granted writes' ``write(token)`` calls alone, each waited for outside it."""
     import cProfile
@@ -238,6 +266,9 @@ def main(argv=None) -> dict:
                    help="also time one request under a grant the target issued ahead (Agent.grant; the token "
                         "passed over the bench's pipe before the clock starts), beside the same write after the "
                         "same pipe exchange without one")
+    p.add_argument("--burst-timeline", action="store_true",
+                   help="after the 128 burst, one more with every transfer's phases (asked, granted, launched, "
+                        "copied, acked) from the first post, and the stream's idle time between copies")
     p.add_argument("--no-stage-ids", action="store_true",
                    help="upload a copy's block ids at its launch, after the grant, not while the grant request "
                         "travels (XFER_STAGE_IDS=0: the launch as before issue 32)")
@@ -379,6 +410,9 @@ def main(argv=None) -> dict:
             rows.append({"name": "xfer write, 32 back to back (per request)", "ms": ms / 32, "p99_ms": p99 / 32})
             ms, p99 = median_ms(lambda: burst(128), max(3, args.iters // 10))
             rows.append({"name": "xfer write, 128 back to back (per request)", "ms": ms / 128, "p99_ms": p99 / 128})
+            if args.burst_timeline:  # where a burst's time goes: each transfer's phases from the first post
+                burst_phases = _burst_timeline(lambda i: agent.write(peer, srcs[i % 8], sets[i % 8]), 128,
+                                               rows[0]["ms"])
             ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
             target.call("drain")
@@ -416,6 +450,7 @@ def main(argv=None) -> dict:
         "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids},
         "write_timeline_ms": phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
+        **({"burst_timeline": burst_phases} if args.burst_timeline else {}),
         **({"peer_ceiling": ceiling} if ceiling is not None else {}),
     }
     print(f"ipc bench on {res['device']}: {res['workload']['slices']} slices, {nbytes / 2**20:.0f} MiB, route {route}")
