@@ -378,6 +378,39 @@ def test_bad_layouts_tensors_and_buffers(interpret):
         swap_out(sl, src, [0], sl, src, [1])
 
 
+@pytest.mark.parametrize("op, ids, err, match", [
+    ("gather", [0, 5], BlockIdError, "id 5"),
+    ("gather", [-1], BlockIdError, "negative id -1"),
+    ("gather", [[0, 1]], BlockIdError, "1-D"),
+    ("scatter", [1, 1], BlockIdError, "repeat id 1"),
+    ("scatter", [0, 9], BlockIdError, "id 9"),
+    ("scatter-as", [0, 1, 2], BlockIdError, "id 2"),  # the sender's staging layout holds 2 blocks
+    ("scatter-other", [0, 1], LayoutMismatchError, "head_dim"),
+])
+def test_gather_scatter_refuse_bad_ids_and_staging_before_any_byte_moves(interpret, op, ids, err, match):
+    """gather/scatter check their ids once (not again through check_ids): a bad id, a repeated
+    destination, a sender's staging layout too small or of another shape is refused, typed, and
+    neither the cache nor the staging buffer changed."""
+    src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    dst, dl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, fill="poison")
+    n = len(ids) if op != "gather" or np.ndim(ids) == 1 else 2
+    buf = torch.full((max(n, 1) * sl.bytes_per_block,), POISON, dtype=torch.uint8)
+    before, staged = snapshot(dst), buf.clone()
+    with pytest.raises(err, match=match):
+        if op == "gather":
+            gather(sl, src, ids, buf)
+        elif op == "scatter":
+            scatter(buf, dl, dst, ids)
+        elif op == "scatter-as":
+            scatter(buf, dl, dst, ids, staging_layout=sl.staging(2))
+        else:
+            _, ol = make_kv_cache(LayoutKind.VLLM_FLASH_ATTN_NHD, num_layers=2, num_blocks=5, block_size=3,
+                                  num_heads=2, head_dim=4)
+            scatter(torch.empty(2 * ol.bytes_per_block, dtype=torch.uint8), dl, dst, ids,
+                    staging_layout=ol.staging(2))
+    assert all(torch.equal(a, raw(b)) for a, b in zip(before, dst)) and torch.equal(buf, staged)
+
+
 def test_remembered_tensor_checks_notice_changes(interpret):
     """A cache's tensor checks are remembered per tensor objects; a changed tensor is checked again."""
     src, sl = cache(LayoutKind.VLLM_FLASH_ATTN_NHD, layers=4)
