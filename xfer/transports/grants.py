@@ -47,15 +47,18 @@ __all__ = ["Hold", "Grants"]
 
 class _Busy:
     """Per block of one region: how many unfenced holds write it, and how many read it; when a
-    write hold on it last ended, and when it was last revoked (``time.monotonic``)."""
+    write hold on it last ended, and when it was last revoked (``time.monotonic``). ``owners``:
+    the region's live holds by owner, so that a new hold looks for a clash among other owners'
+    holds only (one initiator's burst over reused blocks would scan all of its own, every one)."""
 
-    __slots__ = ("writes", "reads", "written", "revoked")
+    __slots__ = ("writes", "reads", "written", "revoked", "owners")
 
     def __init__(self, n: int):
         self.writes = np.zeros(n, dtype=np.int32)
         self.reads = np.zeros(n, dtype=np.int32)
         self.written = np.full(n, -np.inf)
         self.revoked = np.full(n, -np.inf)
+        self.owners: dict = {}  # owner -> {hold id: Hold}, live holds only
 
 
 class Hold:
@@ -122,10 +125,10 @@ class Grants:
             if replaces is not None:
                 self._replace(replaces, region, ids, writes, peer)
             if busy.writes[ids].any() or (writes and busy.reads[ids].any()):
-                other = self._clashing(region, ids, writes, owner)
+                other = self._clashing(busy, ids, writes, owner)
                 if other is not None:
                     self._reap(region)  # holds of initiators that died meanwhile
-                    other = self._clashing(region, ids, writes, owner)
+                    other = self._clashing(busy, ids, writes, owner)
                 if other is not None:
                     raise BlocksBusyError(
                         f"{'writing' if writes else 'reading'} blocks of region {region.name!r} that "
@@ -137,6 +140,7 @@ class Grants:
             else:
                 np.add.at(busy.reads, ids, 1)
             self._live[h.id] = h
+            busy.owners.setdefault(owner, {})[h.id] = h
         return h
 
     def _of(self, hid, peer: str) -> Hold | None:
@@ -163,14 +167,18 @@ class Grants:
             if h is not None:
                 self._end(h)
 
-    def _clashing(self, region: LocalRegion, ids: np.ndarray, writes: bool, owner) -> Hold | None:
-        """A live hold of another owner on some of ``ids`` that conflicts (either side writes)."""
-        mask = np.zeros(region.layout.num_blocks, dtype=bool)
+    @staticmethod
+    def _clashing(busy: _Busy, ids: np.ndarray, writes: bool, owner) -> Hold | None:
+        """A live hold of another owner (any, where ``owner`` is None) on some of ``ids`` of the
+        region ``busy`` counts that conflicts (either side writes)."""
+        mask = np.zeros(busy.writes.size, dtype=bool)
         mask[ids] = True
-        for h in self._live.values():
-            if h.region is region and (h.writes or writes) and (owner is None or h.owner != owner) and \
-                    mask[h.ids].any():
-                return h
+        for o, holds in busy.owners.items():
+            if owner is not None and o == owner:
+                continue
+            for h in holds.values():
+                if (h.writes or writes) and mask[h.ids].any():
+                    return h
         return None
 
     def _reap(self, region: LocalRegion | None) -> None:
@@ -182,6 +190,11 @@ class Grants:
         if self._live.pop(h.id, None) is None:
             return
         busy = self._busy(h.region)
+        mine = busy.owners.get(h.owner)
+        if mine is not None:
+            mine.pop(h.id, None)
+            if not mine:
+                del busy.owners[h.owner]
         if h.writes:  # a write's ids are unique
             busy.writes[h.ids] -= 1
             busy.written[h.ids] = time.monotonic()

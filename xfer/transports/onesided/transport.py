@@ -39,6 +39,10 @@ __all__ = ["OneSidedTransport"]
 
 _REQUESTABLE = ("triton", "copy_engine_batch", "copy_engine_2d")  # CopyPath values a copy may be asked for
 BATCH_MAX = 32  # transfers' notices in one control message
+# a burst's first grant request names this many transfers, each next one twice as many (up to
+# BATCH_MAX): the first copy waits for a small grant only, and each batch's grant travels while
+# the copies granted before it run (the peer checks and holds each transfer of a request in turn)
+RAMP_FIRST = 2
 _NOTHING = object()
 
 
@@ -192,8 +196,13 @@ class OneSidedTransport(Transport):
         leave before this batch's copies launch (their round trip overlaps this batch's wait and
         launch)."""
         ahead = None  # a batch whose grant requests are out, to launch next
+        cap = RAMP_FIRST
         while True:
-            items, last = self._take(block=ahead is None)
+            if ahead is None:  # nothing granted waits to launch: a burst starts with a small batch
+                cap = RAMP_FIRST
+            items, last = self._take(block=ahead is None, cap=cap)
+            if items:
+                cap = min(2 * cap, BATCH_MAX)
             batch = self._ask(items) if items else None
             if ahead is not None:
                 self._go(ahead)
@@ -204,15 +213,15 @@ class OneSidedTransport(Transport):
                 self._done.put(None)
                 return
 
-    def _take(self, block: bool) -> tuple[list, bool]:
-        """(the jobs queued now, in order, at most BATCH_MAX; whether the transport closes after
+    def _take(self, block: bool, cap: int = BATCH_MAX) -> tuple[list, bool]:
+        """(the jobs queued now, in order, at most ``cap``; whether the transport closes after
         them). ``block``: wait for the first one."""
         try:
             first = self._jobs.get() if block else self._jobs.get_nowait()
         except queue.Empty:
             return [], False
         items = [first]
-        while items[-1] is not None and len(items) < BATCH_MAX:
+        while items[-1] is not None and len(items) < cap:
             try:
                 items.append(self._jobs.get_nowait())
             except queue.Empty:
