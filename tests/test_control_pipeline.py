@@ -109,3 +109,51 @@ def test_a_request_whose_deadline_passed_fails_alone(channel):
     hold.set()
     assert client.result(slow, time.monotonic() + 5)[0]["n"] == 1
     assert seen == [0, 1] and server.connections == 1
+
+
+def test_a_reply_given_later_keeps_its_connection_in_order_and_the_server_serving():
+    """A handler's Later (xfer.frames.Later): its reply comes once its poll says so; the same
+    connection's next request is read only after it (replies in order), another connection is
+    served meanwhile, a poll's exception is its reply (the server goes on), and a connection that
+    ends first calls its drop."""
+    from xfer.frames import Later
+
+    gate, dropped, polls = threading.Event(), [], []
+
+    def handler(header, payload):
+        if header.get("later"):
+            def poll(now):
+                polls.append(now)
+                if header.get("boom"):
+                    raise ValueError("a bug in a deferred reply")
+                return ({"ok": True, "n": header["n"]}, b"") if gate.is_set() else None
+            return Later(poll, drop=lambda: dropped.append(header["n"]), spin_s=0.001)
+        return {"ok": True, "n": header.get("n")}, b""
+
+    server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, identity=("srv-id", "srv"))
+    one = ControlClient(server.address, "srv", 5.0, identity=("a", "a"), peer_id="srv-id")
+    two = ControlClient(server.address, "srv", 5.0, identity=("b", "b"), peer_id="srv-id")
+    try:
+        soon = time.monotonic() + 5
+        waiting = one.submit({"n": 1, "later": True}, deadline=soon)
+        behind = one.submit({"n": 2}, deadline=soon)
+        assert two.request({"n": 3}, deadline=soon)[0]["n"] == 3  # the server serves others meanwhile
+        time.sleep(0.05)
+        assert not waiting.done and not behind.done and len(polls) > 1
+        gate.set()
+        assert one.result(waiting, soon)[0]["n"] == 1 and one.result(behind, soon)[0]["n"] == 2
+        reply, _ = two.request({"n": 4, "later": True, "boom": True}, deadline=soon)
+        assert reply.get("ok") is False and "deferred reply" in str(reply)
+        assert two.request({"n": 5}, deadline=soon)[0]["n"] == 5  # and the connection goes on
+        gate.clear()
+        two.submit({"n": 6, "later": True}, deadline=soon)
+        time.sleep(0.05)
+        two.close()
+        deadline = time.monotonic() + 5
+        while not dropped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dropped == [6]
+    finally:
+        one.close()
+        two.close()
+        server.close()

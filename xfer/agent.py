@@ -18,6 +18,7 @@ from .ahead import Ahead
 from .auth import Authenticator, secret_from
 from .config import AgentConfig
 from .control import ControlClient, ControlServer
+from .frames import Later
 from .error_codec import error_reply
 from .guard import warn_if_exposed
 from .inbox import Inbox
@@ -414,7 +415,7 @@ class Agent:
             return {"ok": True, "agent_id": self.agent_id, "name": self.name}, b""
         reply = self._inbox.handle(kind, header, payload)  # grants, notices, messages
         if reply is not None:
-            return reply, b""
+            return reply if isinstance(reply, Later) else (reply, b"")
         prefix = kind.split(".", 1)[0] if isinstance(kind, str) and "." in kind else None
         for tkind, transport in self.transports.items():
             if tkind.value == prefix:

@@ -37,16 +37,18 @@ from .auth import Session, new_nonce
 from .control_client import ControlClient
 from .error_codec import error_reply
 from .errors import AuthenticationError, XferError
-from .frames import Kind, Reject
+from .frames import Kind, Later, Reject
 from .guard import Rejections, loads
 from .settings import ControlSettings
 
-__all__ = ["ControlServer", "ControlClient", "Handler"]
+__all__ = ["ControlServer", "ControlClient", "Handler", "Later"]
 
 log = logging.getLogger("xfer.control")
 
-# handler(header, payload) -> (reply_header, reply_payload); header["from"] is the authenticated peer's name
-Handler = Callable[[dict, bytes], "tuple[dict, bytes]"]
+# handler(header, payload) -> (reply_header, reply_payload) or a Later; header["from"] is the
+# authenticated peer's name
+Handler = Callable[[dict, bytes], "tuple[dict, bytes] | Later"]
+
 
 _HELLO, _PROOF, _READY = 0, 1, 2
 _READ_BYTES = 256 << 10
@@ -58,7 +60,7 @@ class _Peer:
     """One accepted connection and what the server holds for it."""
 
     __slots__ = ("sock", "host", "state", "buf", "out", "opened", "active", "frame_at", "out_at", "session",
-                 "hello", "name", "welcome", "proof")
+                 "hello", "name", "welcome", "proof", "later")
 
     def __init__(self, sock: socket.socket, host: str, now: float):
         self.sock, self.host, self.state = sock, host, _HELLO
@@ -66,6 +68,7 @@ class _Peer:
         self.opened = self.active = now
         self.frame_at = self.out_at = None  # first byte of an unfinished frame; a reply not yet sent whole
         self.session = self.hello = self.welcome = self.proof = None
+        self.later: Later | None = None  # a request's reply still to come (its handler's Later)
         self.name = "?"
 
     def __repr__(self) -> str:
@@ -95,6 +98,7 @@ class ControlServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._peers: dict[_Peer, None] = {}
         self._pending: dict[_Peer, None] = {}  # still in their handshake, oldest first
+        self._later: dict[_Peer, None] = {}  # connections whose current request's reply comes later
         self._per_host: dict[str, int] = {}
         self._buffered = 0  # bytes of unfinished frames, all peers
         self._accept_paused_until = 0.0
@@ -131,6 +135,9 @@ class ControlServer:
                 timeout = 1.0 if not self._peers else 0.25
                 if spin and now - busy < spin:  # (XFER_CONTROL_SPIN_US) poll: the next request comes soon
                     timeout = 0.0
+                if self._later:  # replies to come: polled (no sleep while one is fresh, then every ms)
+                    fresh = any(now - p.later.since < p.later.spin_s for p in self._later)
+                    timeout = 0.0 if fresh else min(timeout, 0.001)
                 if self._accept_paused_until:
                     timeout = min(timeout, max(self._accept_paused_until - now, 0.0))
                 for key, mask in self._sel.select(timeout=timeout):
@@ -141,6 +148,8 @@ class ControlServer:
                     elif key.data in self._peers:
                         self._serve(key.data, mask)
                         busy = time.monotonic()
+                if self._later:
+                    self._poll_later()
                 now = time.monotonic()
                 if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0
@@ -228,6 +237,13 @@ class ControlServer:
             self._per_host.pop(p.host, None)
         self._buffered -= len(p.buf)
         p.buf = bytearray()
+        if self._later.pop(p, 0) is None:  # its reply to come goes nowhere now
+            later, p.later = p.later, None
+            if later.drop is not None:
+                try:
+                    later.drop()
+                except Exception as exc:  # noqa: BLE001 - a handler's bug must not end the server
+                    log.warning("control: a deferred reply's drop failed: %r", exc)
         try:
             self._sel.unregister(p.sock)
         except (KeyError, ValueError):
@@ -239,7 +255,7 @@ class ControlServer:
         for p in list(self._peers):
             if p.state != _READY and now - p.opened > lim.handshake_s:
                 self._drop(p, "handshake", f"no handshake within {lim.handshake_s:g} s (handshake_s)")
-            elif p.frame_at is not None and now - p.frame_at > lim.frame_s:
+            elif p.frame_at is not None and p.later is None and now - p.frame_at > lim.frame_s:
                 self._drop(p, "slow", f"a frame of {len(p.buf)} bytes so far took over {lim.frame_s:g} s (frame_s)")
             elif p.out_at is not None and now - p.out_at > lim.frame_s:
                 self._drop(p, "slow", f"its reply was not read within {lim.frame_s:g} s (frame_s)")
@@ -273,7 +289,7 @@ class ControlServer:
     def _frames(self, p: _Peer) -> None:
         """Handle every whole frame in ``p``'s buffer (none while a reply waits to be sent)."""
         size = frames.PREFIX.size
-        while p in self._peers and not p.out and len(p.buf) >= size:
+        while p in self._peers and not p.out and p.later is None and len(p.buf) >= size:
             kind, _, _, hlen, plen, seq, mac = frames.PREFIX.unpack_from(p.buf)
             problem = self._admissible(p, kind, hlen, plen)
             if problem is not None:
@@ -354,15 +370,40 @@ class ControlServer:
             return self._refuse(p, Reject.PROTOCOL, "malformed", str(exc))
         request["from"] = p.hello.name  # who the handshake says sent it, whatever the header claims
         try:
-            reply, rpayload = self._handler(request, payload)
+            result = self._handler(request, payload)
         except XferError as exc:
-            reply, rpayload = error_reply(exc), b""
+            result = error_reply(exc), b""
         except Exception as exc:  # a handler bug must not end the server
             log.exception("control: handler failed on %s", str(request.get("type"))[:64])
-            reply, rpayload = error_reply(exc), b""
+            result = error_reply(exc), b""
+        if isinstance(result, Later):  # its reply comes later; no further request of p is read meanwhile
+            result.since, p.later = time.monotonic(), result
+            self._later[p] = None
+            return
+        self._reply(p, *result)
+
+    def _reply(self, p: _Peer, reply: dict, rpayload: bytes) -> None:
         rheader = json.dumps(reply, separators=(",", ":")).encode()
         rseq, rmac = p.session.seal(Kind.REPLY, rheader, rpayload)
         self._send(p, frames.frame(Kind.REPLY, rheader, rpayload, rseq, rmac))
+
+    def _poll_later(self) -> None:
+        """Send the replies that came (``Later.poll``), then read on those connections' requests."""
+        now = time.monotonic()
+        for p in list(self._later):
+            try:
+                got = p.later.poll(now)
+            except XferError as exc:
+                got = error_reply(exc), b""
+            except Exception as exc:  # a handler bug must not end the server
+                log.exception("control: a deferred reply failed")
+                got = error_reply(exc), b""
+            if got is None:
+                continue
+            del self._later[p]
+            p.later = None
+            self._reply(p, *got)
+            self._frames(p)
 
     def _refuse(self, p: _Peer, code: Reject, reason: str, why: str) -> None:
         """Drop ``p``, logged, telling it why first (one REJECT frame, best effort)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Callable
 
 from .auth import NO_MAC, NONCE_BYTES, PROOF_BYTES, Authenticator, new_nonce, proof
 from .errors import AuthenticationError, InvalidArgumentError
@@ -172,4 +173,18 @@ def check_secret_match(mine: bool, theirs: bool, peer: str) -> None:
         raise AuthenticationError(f"peer {peer!r} requires the deployment's shared secret; this agent has none")
 
 
-__all__ += ["server_proof", "client_proof", "check_secret_match", "new_nonce", "NONCE_BYTES", "CHANNEL"]
+__all__ += ["server_proof", "client_proof", "check_secret_match", "new_nonce", "NONCE_BYTES", "CHANNEL", "Later"]
+
+
+class Later:
+    """A reply its handler gives later. The server's loop calls ``poll(now)`` (on its own thread)
+    until it returns (reply header, payload); meanwhile no further request of that connection is
+    read, so its replies stay in order. The loop polls without sleeping for ``spin_s`` after the
+    request, then once a millisecond. ``poll`` must end by itself (a deadline of its own); an
+    exception it raises is the reply (an error). ``drop()`` runs when the connection ends first."""
+
+    __slots__ = ("poll", "drop", "spin_s", "since")
+
+    def __init__(self, poll: Callable[[float], "tuple[dict, bytes] | None"], drop: Callable[[], None] | None = None,
+                 spin_s: float = 0.002) -> None:
+        self.poll, self.drop, self.spin_s, self.since = poll, drop, spin_s, 0.0

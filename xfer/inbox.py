@@ -18,6 +18,11 @@ The one-sided transports' target side lives here too, on the control server's th
   before.
 - ``grant_end``: the initiator's transfers stopped or failed after their grants; their copies
   ended: the grants end, nothing is delivered.
+- a ``notify`` naming a ``landing`` slot (``XFER_NOTICE_EARLY``) came at its copy's launch: its
+  time is checked now, and its reply waits (``xfer.control.Later``, polled by the control loop)
+  until the initiator writes the slot: then it is the notice above; the slot negated (the copy
+  stopped short) ends the grant, nothing delivered; nothing by the deadline: refused, the grant
+  left held (the initiator ends it once its copy ended). See xfer.transports.onesided.mailbox.
 
 A batch's entries stand or fail one by one.
 """
@@ -32,10 +37,13 @@ from typing import Callable
 import numpy as np
 
 from .error_codec import error_reply
-from .errors import (BlocksBusyError, InvalidArgumentError, NotRegisteredError, RevokedError, TransferTimeoutError,
+from .errors import (BlocksBusyError, InvalidArgumentError, NotRegisteredError, RevokedError, TransferCancelledError,
+                     TransferTimeoutError,
                      XferError)
+from .frames import Later
 from .transfer import Notification, Op
 from .transports.incoming import ClockFloor, check_request, check_time, check_ttl, local_deadline
+from .transports.onesided.mailbox import SLOTS, Boxes
 
 __all__ = ["Inbox"]
 
@@ -51,6 +59,7 @@ class Inbox:
         self._cond = threading.Condition()
         # per initiator (name, pid, host): the least delay of its messages (control-server thread only)
         self._floors: dict[tuple, ClockFloor] = {}
+        self._boxes = Boxes()  # peers' landing slots (control-server thread only)
 
     def handle(self, kind, header: dict, payload: bytes) -> dict | None:
         """The reply to a control message this inbox answers, or None when it is not one of them."""
@@ -202,9 +211,41 @@ class Inbox:
             self.deliver(note)
         return note
 
-    def on_notify(self, header: dict, payload: bytes) -> dict:
+    def on_notify(self, header: dict, payload: bytes) -> dict | Later:
+        if "landing" in header:
+            return self._landing(header, payload)
         self.notice(header, header, payload)
         return {"ok": True}
+
+    def _landing(self, header: dict, payload: bytes) -> Later:
+        """A WRITE's notice sent at its copy's launch: checked now (its grant's sender, its slot, its
+        time), answered once the initiator wrote the slot (see the module doc)."""
+        landing, sender = header.get("landing"), header.get("from")
+        if not isinstance(landing, dict) or "grant" not in header:
+            raise InvalidArgumentError("a notice waiting for its landing names its grant and a landing slot")
+        slot, seq = landing.get("slot"), landing.get("seq")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq)) or not 0 <= slot < SLOTS \
+                or not 0 < seq < 1 << 62:
+            raise InvalidArgumentError(f"malformed landing slot {slot!r} / sequence number {seq!r}")
+        words = self._boxes.view(landing.get("box"), header.get("pid"))
+        what = f"the notice of transfer {header.get('transfer_id')} from {sender!r}"
+        deadline = local_deadline(header.get("ttl"), self._late(header, header, what), time.monotonic(), what=what)
+        entry = {k: v for k, v in header.items() if k != "landing"}
+
+        def poll(now: float):
+            word = int(words[slot])
+            if word == seq:  # every byte landed
+                self.notice(header, entry, payload)
+                return {"ok": True}, b""
+            if word == -seq:  # the copy stopped short: its grant ends, nothing delivered
+                with self._grants.closing():
+                    self._grants.take_locked(entry["grant"], str(sender))
+                raise TransferCancelledError(f"{what}: its copy stopped before it completed; not delivered")
+            if now > deadline:
+                raise TransferTimeoutError(f"{what}: its copy was not reported landed by the deadline; not "
+                                           f"delivered (the grant stays until the initiator ends it)")
+            return None
+        return Later(poll)
 
     def on_batch(self, header: dict, payload: bytes) -> dict:
         """Several transfers' notices at once: each stands or fails alone (``failed``: index -> error)."""

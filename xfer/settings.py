@@ -84,6 +84,10 @@ KNOBS: tuple[Knob, ...] = (
          "ipc/local/NVSHMEM-direct: a READ's stream copy is launched by the posting thread when nothing posted "
          "earlier waits (saves a thread hand-off; a WRITE waits for its grant on the worker); off: the worker "
          "thread launches every copy"),
+    Knob("XFER_NOTICE_EARLY", "onesided", "notice_early", "bool", False, "",
+         "local/ipc: a lone WRITE's notice is sent at its copy's launch, naming a shared-memory landing slot the "
+         "initiator writes once the copy ended; the target answers (delivers) once it reads it, so the notice's "
+         "round trip overlaps the copy (xfer.transports.onesided.mailbox); off by default: not measured on a GPU yet"),
     Knob("XFER_STAGE_IDS", "onesided", "stage_ids", "bool", True, "",
          "ipc/NVSHMEM-direct: a WRITE's stream copy is prepared while its grant request travels (peer tensors "
          "mapped, path chosen, the kernel's block ids uploaded), so the launch after the grant is the kernel's "
@@ -334,6 +338,7 @@ class OneSidedSettings:
     launch_inline: bool = True
     stage_ids: bool = True
     ask_inline: bool = False
+    notice_early: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..error_codec import reply_error
 from .base import Job
 
 __all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
-           "await_grants", "GrantAsk", "end_grants", "end_grants_soon"]
+           "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,6 +84,25 @@ def notify_peer_batch(jobs: list[Job], sender: str, host: str = "", grace: float
     failed = reply.get("failed") or {}
     return [reply_error({"ok": False, **failed[str(i)]}, name) if str(i) in failed else None
             for i in range(len(jobs))]
+
+
+def send_landing_notice(job: Job, sender: str, host: str, grace: float, landing: dict):
+    """Send ``job``'s notice now, before its copy ended, naming its landing slot (``landing``: box,
+    slot, seq; xfer.transports.onesided.mailbox) without waiting for the reply: (client, pending),
+    or None where the channel cannot take it at once (nothing sent)."""
+    client = _pipelined(job.peer)
+    if client is None:
+        return None
+    header = {"type": "notify", **_who(sender, host), **_notice(job), "landing": landing}
+    pending = client.submit(header, job.notify, deadline=job.transfer.deadline + grace, block=False)
+    return None if pending is None else (client, pending)
+
+
+def landing_reply(job: Job, client, pending, grace: float) -> None:
+    """The peer's answer to a landing notice (:func:`send_landing_notice`), once the slot was
+    written: returns when it delivered, raises what it refused (or the message's failure)."""
+    reply, _ = client.result(pending, job.transfer.deadline + grace)
+    raise_remote(reply, job.peer.name)
 
 
 class GrantAsk:

@@ -75,7 +75,8 @@ class IpcTransport(OneSidedTransport):
 
     def info(self) -> dict:
         return {"host_id": self.ctx.host_id, "pid": os.getpid(), "gpus": sorted(self._local_uuids),
-                "notify_batch": True}
+                "notify_batch": True,
+                "landing": True}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         if region.device.type != "cuda":

@@ -33,7 +33,8 @@ from ...shm import pid_alive
 from ...transfer import Op
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
-from ..completion import ask_grants, await_grants, complete_notified, end_grants
+from ..completion import ask_grants, await_grants, complete_notified, end_grants, landing_reply, send_landing_notice
+from .mailbox import Mailbox
 
 __all__ = ["OneSidedTransport"]
 
@@ -77,6 +78,9 @@ class OneSidedTransport(Transport):
         # stream copy prepared while its grant request travels (host copies are prepared at launch)
         self.ask_inline = ctx.config.settings.onesided.ask_inline
         self.stage_ids = ctx.config.settings.onesided.stage_ids
+        # XFER_NOTICE_EARLY: a lone WRITE's notice leaves at its launch, naming a landing slot (mailbox)
+        self._box = Mailbox() if ctx.config.settings.onesided.notice_early else None
+        self._landing: dict[str, tuple] = {}  # transfer id -> (slot, seq, client, pending): noticed at launch
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
         self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
         self._grace = ctx.config.settings.fence.grace_s
@@ -308,16 +312,78 @@ class OneSidedTransport(Transport):
                 self._queued -= 1
 
     def _start(self, job: Job, prep=None) -> None:
-        """Launch the job's copies and hand it to the completer."""
+        """Launch the job's copies and hand it to the completer (a lone WRITE's notice may leave
+        now: :meth:`_early`; before a host copy, after a stream copy's launch)."""
         job.started = time.monotonic()
         job.transfer.mark("started")
+        early = self._early(job) if self._box is not None and not self._launches_async(job) else None
         try:
             event = self._launch(job, prep)
             job.transfer.mark("launched")
+            if early is None and event is not None and self._box is not None:
+                early = self._early(job)
+            if early is not None:
+                self._landing[job.transfer.id] = early
             self._done.put((job, event))
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer (its copy ended)
             _release(prep)
+            if early is not None:  # the peer waits for its slot: told the copy stopped short first
+                self._answered(job, early, landed=False)
             self._fail(job, exc)
+
+    def _early(self, job: Job):
+        """Send a lone granted WRITE's notice now, naming a landing slot, so that it travels while
+        the copy runs (XFER_NOTICE_EARLY): (slot, seq, client, pending), or None: the notice goes
+        once the copy ended, as any other (the peer does not take landing notices, every slot is
+        taken, the channel is busy, or other transfers wait for the completer)."""
+        if job.op is not Op.WRITE or job.grant is None or not self._done.empty() or \
+                not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing"):
+            return None
+        got = self._box.take()
+        if got is None:
+            return None
+        slot, seq = got
+        try:
+            sent = send_landing_notice(job, self.ctx.agent_name, self.ctx.host_id, self._grace,
+                                       {"box": self._box.name, "slot": slot, "seq": seq})
+        except BaseException:  # noqa: BLE001 - not sent: the notice goes after the copy
+            sent = None
+        if sent is None:
+            self._box.give(slot)
+            return None
+        job.transfer.mark("noticed")
+        return (slot, seq, *sent)
+
+    def _answered(self, job: Job, early: tuple, landed: bool) -> BaseException | None:
+        """Write the job's landing slot (every byte landed, or the copy stopped short), then take the
+        peer's answer to its notice: None where it delivered, else what it refused."""
+        slot, seq, client, pending = early
+        self._box.land(slot, seq, landed)
+        try:
+            landing_reply(job, client, pending, self._grace)
+            return None
+        except BaseException as exc:  # noqa: BLE001 - reported with the transfer
+            return exc
+        finally:
+            self._box.give(slot)
+
+    def _land(self, job: Job, event, early: tuple) -> None:
+        """Completer: a job whose notice left at its launch: once its copy ended, write its slot and
+        end the transfer with the peer's answer (a stop: the slot says so, the peer ends the grant)."""
+        try:
+            self._wait_copy(job, event)
+        except BaseException as exc:  # noqa: BLE001 - the copy ended short: nothing is delivered
+            self._answered(job, early, landed=False)
+            self._fail(job, exc)
+            return
+        refused = self._answered(job, early, landed=True)
+        job.transfer.mark("acked")
+        if refused is None:
+            job.transfer.complete()
+            return
+        self._end_later([job])  # the peer may hold the grant still (a refusal by the deadline)
+        job.transfer.fail(refused if isinstance(refused, XferError) else
+                          TransportError(f"{self.kind.value} transport failed: {refused!r}"))
 
     def _complete(self) -> None:
         """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
@@ -337,6 +403,10 @@ class OneSidedTransport(Transport):
                 self._retry_ends(final=True)
                 return
             job, event = item
+            early = self._landing.pop(job.transfer.id, None)
+            if early is not None:  # its notice left at the launch: the peer waits for its slot
+                self._land(job, event, early)
+                continue
             if not self._copied(job, event):
                 continue
             batch = [job]
@@ -359,26 +429,30 @@ class OneSidedTransport(Transport):
 
     def _copied(self, job: Job, event) -> bool:
         """Wait for the job's copy (False: it failed or was cancelled, and is finished)."""
-        t = job.transfer
         try:
-            if event is not None and self.spin_wait:
-                # a queued kernel cannot be stopped: a cancelled transfer is reported once it landed
-                # too. The wait spins in CUDA with the GIL released (a sleeping poll oversleeps by
-                # up to ~80 us a copy on the GPU machine, and takes the GIL from the posting thread)
-                event.synchronize()
-            elif event is not None:
-                while not event.query():
-                    if t.cancel_requested:
-                        event.synchronize()  # the kernel may still write; let it land before reporting
-                        raise t.error
-                    time.sleep(20e-6)
-            if t.cancel_requested:
-                raise t.error
-            t.mark("copied")
+            self._wait_copy(job, event)
             return True
         except BaseException as exc:  # noqa: BLE001
             self._fail(job, exc)
             return False
+
+    def _wait_copy(self, job: Job, event) -> None:
+        """Return once the job's copy ended whole; raise (once it ended) when it was stopped."""
+        t = job.transfer
+        if event is not None and self.spin_wait:
+            # a queued kernel cannot be stopped: a cancelled transfer is reported once it landed
+            # too. The wait spins in CUDA with the GIL released (a sleeping poll oversleeps by
+            # up to ~80 us a copy on the GPU machine, and takes the GIL from the posting thread)
+            event.synchronize()
+        elif event is not None:
+            while not event.query():
+                if t.cancel_requested:
+                    event.synchronize()  # the kernel may still write; let it land before reporting
+                    raise t.error
+                time.sleep(20e-6)
+        if t.cancel_requested:
+            raise t.error
+        t.mark("copied")
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         """End ``job`` with ``exc`` once its copy ended (the caller's promise): its grant first, so
