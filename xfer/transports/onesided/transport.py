@@ -30,7 +30,7 @@ import torch
 
 from ...errors import PeerDisconnectedError, TransportError, XferError
 from ...shm import pid_alive
-from ...transfer import Op
+from ...transfer import Op, TransferState
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
 from ..completion import ask_grants, await_grants, complete_notified, end_grants, landing_reply, send_landing_notice
@@ -81,6 +81,7 @@ class OneSidedTransport(Transport):
         # XFER_NOTICE_EARLY: a lone WRITE's notice leaves at its launch, naming a landing slot (mailbox)
         self._box = Mailbox() if ctx.config.settings.onesided.notice_early else None
         self._landing: dict[str, tuple] = {}  # transfer id -> (slot, seq, client, pending): noticed at launch
+        self._no_landing: set[str] = set()  # agent ids of peers whose landing notices fail (then the usual notice)
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
         self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
         self._grace = ctx.config.settings.fence.grace_s
@@ -337,7 +338,8 @@ class OneSidedTransport(Transport):
         once the copy ended, as any other (the peer does not take landing notices, every slot is
         taken, the channel is busy, or other transfers wait for the completer)."""
         if job.op is not Op.WRITE or job.grant is None or not self._done.empty() or \
-                not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing"):
+                not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing") or \
+                job.peer.metadata.agent_id in self._no_landing:
             return None
         got = self._box.take()
         if got is None:
@@ -377,13 +379,15 @@ class OneSidedTransport(Transport):
             self._fail(job, exc)
             return
         refused = self._answered(job, early, landed=True)
-        job.transfer.mark("acked")
         if refused is None:
+            job.transfer.mark("acked")
             job.transfer.complete()
             return
-        self._end_later([job])  # the peer may hold the grant still (a refusal by the deadline)
-        job.transfer.fail(refused if isinstance(refused, XferError) else
-                          TransportError(f"{self.kind.value} transport failed: {refused!r}"))
+        # refused (a peer that cannot map the slot's segment, e.g. no common /dev/shm; revoked; late):
+        # the notice again, the usual way, now that the copy ended; its own checks decide
+        complete_notified([job], self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
+        if job.transfer.poll() is TransferState.DONE:  # the slot is what failed: no more of them to this peer
+            self._no_landing.add(job.peer.metadata.agent_id)
 
     def _complete(self) -> None:
         """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
