@@ -115,10 +115,10 @@ def test_a_reply_given_later_keeps_its_connection_in_order_and_the_server_servin
     """A handler's Later (xfer.frames.Later): its reply comes once its poll says so; the same
     connection's next request is read only after it (replies in order), another connection is
     served meanwhile, a poll's exception is its reply (the server goes on), and a connection that
-    ends first calls its drop."""
+    ends first is no longer polled."""
     from xfer.frames import Later
 
-    gate, dropped, polls = threading.Event(), [], []
+    gate, polls = threading.Event(), []
 
     def handler(header, payload):
         if header.get("later"):
@@ -127,7 +127,7 @@ def test_a_reply_given_later_keeps_its_connection_in_order_and_the_server_servin
                 if header.get("boom"):
                     raise ValueError("a bug in a deferred reply")
                 return ({"ok": True, "n": header["n"]}, b"") if gate.is_set() else None
-            return Later(poll, drop=lambda: dropped.append(header["n"]), spin_s=0.001)
+            return Later(poll, spin_s=0.001)
         return {"ok": True, "n": header.get("n")}, b""
 
     server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, identity=("srv-id", "srv"))
@@ -148,11 +148,15 @@ def test_a_reply_given_later_keeps_its_connection_in_order_and_the_server_servin
         gate.clear()
         two.submit({"n": 6, "later": True}, deadline=soon)
         time.sleep(0.05)
+        assert len(server._later) == 1
         two.close()
         deadline = time.monotonic() + 5
-        while not dropped and time.monotonic() < deadline:
+        while server._later and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert dropped == [6]
+        assert not server._later
+        n = len(polls)
+        time.sleep(0.05)
+        assert len(polls) == n  # no longer polled
     finally:
         one.close()
         two.close()

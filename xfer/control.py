@@ -237,13 +237,8 @@ class ControlServer:
             self._per_host.pop(p.host, None)
         self._buffered -= len(p.buf)
         p.buf = bytearray()
-        if self._later.pop(p, 0) is None:  # its reply to come goes nowhere now
-            later, p.later = p.later, None
-            if later.drop is not None:
-                try:
-                    later.drop()
-                except Exception as exc:  # noqa: BLE001 - a handler's bug must not end the server
-                    log.warning("control: a deferred reply's drop failed: %r", exc)
+        self._later.pop(p, None)  # its reply to come goes nowhere now
+        p.later = None
         try:
             self._sel.unregister(p.sock)
         except (KeyError, ValueError):

@@ -181,10 +181,9 @@ class Later:
     until it returns (reply header, payload); meanwhile no further request of that connection is
     read, so its replies stay in order. The loop polls without sleeping for ``spin_s`` after the
     request, then once a millisecond. ``poll`` must end by itself (a deadline of its own); an
-    exception it raises is the reply (an error). ``drop()`` runs when the connection ends first."""
+    exception it raises is the reply (an error). A connection that ends first takes it along."""
 
-    __slots__ = ("poll", "drop", "spin_s", "since")
+    __slots__ = ("poll", "spin_s", "since")
 
-    def __init__(self, poll: Callable[[float], "tuple[dict, bytes] | None"], drop: Callable[[], None] | None = None,
-                 spin_s: float = 0.002) -> None:
-        self.poll, self.drop, self.spin_s, self.since = poll, drop, spin_s, 0.0
+    def __init__(self, poll: Callable[[float], "tuple[dict, bytes] | None"], spin_s: float = 0.002) -> None:
+        self.poll, self.spin_s, self.since = poll, spin_s, 0.0

@@ -19,7 +19,7 @@ The one-sided transports' target side lives here too, on the control server's th
 - ``grant_end``: the initiator's transfers stopped or failed after their grants; their copies
   ended: the grants end, nothing is delivered.
 - a ``notify`` naming a ``landing`` slot (``XFER_NOTICE_EARLY``) came at its copy's launch: its
-  time is checked now, and its reply waits (``xfer.control.Later``, polled by the control loop)
+  time is checked now, and its reply waits (``xfer.frames.Later``, polled by the control loop)
   until the initiator writes the slot: then it is the notice above; the slot negated (the copy
   stopped short) ends the grant, nothing delivered; nothing by the deadline: refused, the grant
   left held (the initiator ends it once its copy ended). See xfer.transports.onesided.mailbox.
