@@ -190,3 +190,71 @@ def test_a_target_that_cannot_map_the_slot_gets_the_usual_notice_and_no_more_lan
     assert_blocks_equal(la, ta, [1, 2, 3, 7], lb, tb, [4, 5, 6, 8])
     assert_untouched(lb, tb, [4, 5, 6, 8])
     assert len(b._grants) == 0
+
+
+class _Queued:
+    """A stream launch's event, for a host copy run on a thread: the launch returns at once."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    def query(self) -> bool:
+        return not self.thread.is_alive()
+
+    def synchronize(self) -> None:
+        self.thread.join()
+
+
+def queued(agent, delay: float = 0.002):
+    """The agent's copies launch as a stream copy does (ipc on a GPU): the launch returns an event
+    at once, the bytes land ``delay`` seconds later, and the notice of a lone WRITE leaves after the launch."""
+    tr = next(iter(agent.transports.values()))
+    real = tr._launch
+
+    def launch(job, prep=None):
+        th = threading.Thread(target=lambda: (time.sleep(delay), real(job, prep)))
+        th.start()
+        return _Queued(th)
+    tr._launch, tr._launches_async, tr.spin_wait = launch, (lambda job: True), True
+    return tr
+
+
+def test_writes_after_a_lone_one_are_not_held_behind_its_landing_notice(pair):
+    """Launches that return at once (as ipc's): a lone WRITE's notice waits at the target for its
+    slot, while the writes posted after it finish their copies first and the completer waits on their
+    (usual) notices before it writes that slot. Landing notices go on a connection of their own, so
+    neither waits on the other: every write ends well before its deadline with its bytes."""
+    a, b, peer, (ta, la), (tb, lb) = pair
+    queued(a)
+    start, noticed = time.monotonic(), 0
+    for r in range(20):
+        src = [(r + k) % 8 for k in range(8)]
+        ts = [a.write(peer, [s], [8 + k], timeout=3) for k, s in enumerate(src)]
+        assert [t.wait() for t in ts] == [TransferState.DONE] * 8
+        assert_blocks_equal(la, ta, src, lb, tb, list(range(8, 16)))
+        noticed += sum("noticed" in dict(t.marks) for t in ts)
+    assert time.monotonic() - start < 5.0
+    assert 0 < noticed < 160  # landing notices and usual ones, mixed
+    assert_untouched(lb, tb, list(range(8, 16)))
+    assert len(b._grants) == 0
+
+
+def test_a_closed_landing_connection_is_opened_again_after_the_next_write(pair):
+    """The landing connection closed (idle, or broken): the next lone WRITE sends the usual notice
+    after its copy, and the completer opens the connection again for the one after it."""
+    from xfer.errors import PeerDisconnectedError
+
+    a, b, peer, (ta, la), (tb, lb) = pair
+    lane = a._clients[peer].lane()
+    assert lane.is_open
+    with lane._lock:
+        lane._reset(PeerDisconnectedError("closed as idle"))
+    t1 = a.write(peer, [1], [2])
+    assert t1.wait() is TransferState.DONE and "noticed" not in dict(t1.marks)
+    end = time.monotonic() + 2
+    while not lane.is_open and time.monotonic() < end:
+        time.sleep(0.01)
+    t2 = a.write(peer, [3], [4])
+    assert t2.wait() is TransferState.DONE and "noticed" in dict(t2.marks)
+    assert_blocks_equal(la, ta, [1, 3], lb, tb, [2, 4])
+    assert_untouched(lb, tb, [2, 4])

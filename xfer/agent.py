@@ -177,6 +177,11 @@ class Agent:
             client.close()
             raise MetadataError(f"stale metadata for {md.name!r}: {md.control[0]}:{md.control[1]} is served by "
                                 f"agent {reply.get('agent_id')!r}, the metadata names {md.agent_id!r}")
+        if self.config.settings.onesided.notice_early:  # landing notices' own connection (completion)
+            try:
+                client.lane().open(deadline)
+            except XferError:
+                pass  # opened by the first transfer that finds it closed
         with self._lock:
             why = unservable(self.name, dict(self._regions), md.name, md.regions)
         if why is not None:

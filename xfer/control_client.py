@@ -99,11 +99,66 @@ class ControlClient:
         self._stale: list[socket.socket] = []  # reading sockets of closed connections, a reader maybe in them
         self._gen = 0  # the connection's number: a reader of an older one leaves the newer alone
         self._closed = False
+        self._lane: ControlClient | None = None  # a second connection to the same peer (:meth:`lane`)
+        self._args = (address, peer, connect_timeout, auth, dict(identity=identity, peer_id=peer_id,
+                                                                 max_header=max_header, spin_s=spin_s))
+
+    def lane(self) -> "ControlClient":
+        """A second connection to the same peer, made once and closed with this one, for requests
+        whose reply may wait long (the peer reads no further request of a connection before it
+        answered the one it holds: a landing notice waits for its copy; see xfer.frames.Later).
+        Opened by its first blocking request or by :meth:`open`."""
+        with self._lock:
+            if self._lane is None:
+                address, peer, connect_timeout, auth, kw = self._args
+                self._lane = ControlClient(address, peer, connect_timeout, auth, **kw)
+                if self._closed:
+                    self._lane.close()
+            return self._lane
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a connection is open now (a request with ``block=False`` may be sent on it)."""
+        return self._sock is not None
+
+    def open(self, deadline: float) -> None:
+        """Open the connection now (its handshake, proof included) unless it is open: a later
+        ``submit(block=False)`` then sends at once. Raises as :meth:`submit` does."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferTimeoutError(f"control channel to {self.peer!r} stayed busy until the deadline")
+        try:
+            if self._closed:
+                raise PeerDisconnectedError(f"control channel to {self.peer!r} is closed")
+            if self._sock is not None:
+                return
+            try:
+                self._open(deadline)
+                self._sock.settimeout(max(deadline - time.monotonic(), _SEND_FLOOR_S))
+                self._sock.sendall(self._proof)
+                self._proof = b""
+                self._used = time.monotonic()
+            except (AuthenticationError, MetadataError) as exc:
+                self._reset(exc)
+                raise
+            except (socket.timeout, TimeoutError):
+                exc = TransferTimeoutError(f"no answer from {self._where()} by the deadline")
+                self._reset(exc)
+                raise exc from None
+            except (OSError, ValueError, ConnectionError, XferError) as exc:
+                if not isinstance(exc, PeerDisconnectedError):
+                    exc = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
+                self._reset(exc)
+                raise exc from None
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             self._reset(PeerDisconnectedError(f"control channel to {self.peer!r} is closed"))
+            lane = self._lane
+        if lane is not None:
+            lane.close()
 
     def _reset(self, error: XferError) -> None:
         """Close the connection (caller holds ``_lock``): every request in flight fails with ``error``,

@@ -32,7 +32,7 @@ from .. import errors
 from ..error_codec import reply_error
 from .base import Job
 
-__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
+__all__ = ["open_landing_lane", "notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
            "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply"]
 
 
@@ -88,14 +88,39 @@ def notify_peer_batch(jobs: list[Job], sender: str, host: str = "", grace: float
 
 def send_landing_notice(job: Job, sender: str, host: str, grace: float, landing: dict):
     """Send ``job``'s notice now, before its copy ended, naming its landing slot (``landing``: box,
-    slot, seq; xfer.transports.onesided.mailbox) without waiting for the reply: (client, pending),
-    or None where the channel cannot take it at once (nothing sent)."""
-    client = _pipelined(job.peer)
-    if client is None:
+    slot, seq; xfer.transports.onesided.mailbox) on the peer's landing connection, without waiting
+    for the reply: (client, pending), or None where that connection cannot take it at once
+    (not open: :func:`open_landing_lane`; busy) and nothing was sent."""
+    lane = _landing_lane(job.peer)
+    if lane is None or not lane.is_open:
         return None
     header = {"type": "notify", **_who(sender, host), **_notice(job), "landing": landing}
-    pending = client.submit(header, job.notify, deadline=job.transfer.deadline + grace, block=False)
-    return None if pending is None else (client, pending)
+    pending = lane.submit(header, job.notify, deadline=job.transfer.deadline + grace, block=False)
+    return None if pending is None else (lane, pending)
+
+
+def _landing_lane(peer):
+    """The peer's second control connection, which carries landing notices only: the peer holds
+    a landing notice's connection until the slot is written, and the completer waits, meanwhile,
+    on replies of the notices before it (on the first connection); on one connection the two
+    would wait on each other until the deadline. Its landing notices are answered in the order
+    they were sent, which is the completer's (launch) order."""
+    client = _pipelined(peer)
+    return None if client is None or not callable(getattr(client, "lane", None)) else client.lane()
+
+
+def open_landing_lane(peer, deadline: float) -> bool:
+    """Open the peer's landing connection unless it is open (a landing notice is sent only on an
+    open one, without waiting): True when it is open."""
+    lane = _landing_lane(peer)
+    if lane is None:
+        return False
+    if not lane.is_open:
+        try:
+            lane.open(deadline)
+        except errors.XferError:
+            return False
+    return True
 
 
 def landing_reply(job: Job, client, pending, grace: float) -> None:

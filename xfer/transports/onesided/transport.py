@@ -33,7 +33,8 @@ from ...shm import pid_alive
 from ...transfer import Op, TransferState
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
-from ..completion import ask_grants, await_grants, complete_notified, end_grants, landing_reply, send_landing_notice
+from ..completion import (ask_grants, await_grants, complete_notified, end_grants, landing_reply, open_landing_lane,
+                          send_landing_notice)
 from .mailbox import Mailbox
 
 __all__ = ["OneSidedTransport"]
@@ -82,6 +83,7 @@ class OneSidedTransport(Transport):
         self._box = Mailbox() if ctx.config.settings.onesided.notice_early else None
         self._landing: dict[str, tuple] = {}  # transfer id -> (slot, seq, client, pending): noticed at launch
         self._no_landing: set[str] = set()  # agent ids of peers whose landing notices fail (then the usual notice)
+        self._cold: set[str] = set()  # agent ids of peers whose landing connection the completer opens next
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
         self._ends_lock = threading.Lock()  # the worker adds to it, the completer retries
         self._grace = ctx.config.settings.fence.grace_s
@@ -352,6 +354,7 @@ class OneSidedTransport(Transport):
             sent = None
         if sent is None:
             self._box.give(slot)
+            self._cold.add(job.peer.metadata.agent_id)  # its landing connection opens after this transfer
             return None
         job.transfer.mark("noticed")
         return (slot, seq, *sent)
@@ -425,8 +428,19 @@ class OneSidedTransport(Transport):
                 if self._copied(*nxt):
                     batch.append(nxt[0])
             complete_notified(batch, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
+            if self._cold:
+                self._warm(job)
             if self._ends:
                 self._retry_ends()
+
+    def _warm(self, job: Job) -> None:
+        """Completer: open the landing connection of ``job``'s peer, which a lone WRITE found closed
+        (never opened, or closed as idle), once that WRITE ended: the next lone one's notice may go
+        at its launch."""
+        peer_id = job.peer.metadata.agent_id
+        if peer_id in self._cold:
+            self._cold.discard(peer_id)
+            open_landing_lane(job.peer, time.monotonic() + self.ctx.config.connect_timeout_s)
 
     def _batches(self, job: Job) -> bool:
         return bool((job.peer.metadata.transports.get(self.kind.value) or {}).get("notify_batch"))
