@@ -33,6 +33,7 @@ import datetime as dt
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -272,7 +273,17 @@ def main(argv=None) -> dict:
     p.add_argument("--no-stage-ids", action="store_true",
                    help="upload a copy's block ids at its launch, after the grant, not while the grant request "
                         "travels (XFER_STAGE_IDS=0: the launch as before issue 32)")
+    p.add_argument("--switch-interval-ms", type=float, default=0.0,
+                   help="experiment: this process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
+    p.add_argument("--ramp", type=int, default=0,
+                   help="experiment: the first grant request of a burst asks for this many WRITEs (0: the library's)")
     args = p.parse_args(argv)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.ramp:
+        from xfer.transports.onesided import transport as onesided
+
+        onesided.RAMP_FIRST = args.ramp
     # the settings (XFER_ASK_INLINE, XFER_STAGE_IDS) every agent of this run reads, the target's included
     os.environ["XFER_ASK_INLINE"] = "1" if args.ask_inline else "0"
     os.environ["XFER_STAGE_IDS"] = "0" if args.no_stage_ids else "1"
@@ -447,7 +458,9 @@ def main(argv=None) -> dict:
         "one_block_request": {"slices": layout.num_slots, "bytes": layout.bytes_per_block,
                               "p50_ms": lat_ms, "p99_ms": lat_p99},
         "post_us_median": statistics.median(post),
-        "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids},
+        "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids,
+                     "switch_interval_ms": args.switch_interval_ms or 5.0, "ramp": args.ramp or None,
+                     "notice_early": os.environ.get("XFER_NOTICE_EARLY", "0") not in ("", "0")},
         "write_timeline_ms": phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
         **({"burst_timeline": burst_phases} if args.burst_timeline else {}),
