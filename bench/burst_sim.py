@@ -10,6 +10,7 @@ when the first copy started, the clock's idle time between copies, the tail afte
 
     python bench/burst_sim.py            # DETAIL=1: every 16th transfer's phases too
     RAMP=32 python bench/burst_sim.py    # the first batch as large as any (no ramp)
+    POST_US=40 python bench/burst_sim.py # each post holds the GIL 40 us more (as on the H100 host)
 """
 import multiprocessing as mp
 import os
@@ -83,10 +84,23 @@ def main():
     a.register("kv", ts, lay)
     peer = a.connect(md)
     patch(a.transports[next(iter(a.transports))])
+    if os.environ.get("SWITCH_MS"):  # this process's GIL switch interval (Python's default: 5 ms)
+        import sys
+        sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1e3)
     if os.environ.get("RAMP"):
         from xfer.transports.onesided import transport as ot
         ot.RAMP_FIRST = int(os.environ["RAMP"])
     sets = [list(range(8 * i, 8 * i + 4)) for i in range(8)]
+    post_s = float(os.environ.get("POST_US", "0")) * 1e-6  # host work of a post, GIL held (the H100 host's: ~40 us more)
+    if post_s:
+        real_write = a.write
+
+        def write(*args, **kw):
+            end = time.perf_counter() + post_s
+            while time.perf_counter() < end:
+                pass
+            return real_write(*args, **kw)
+        a.write = write
     for k in (128, 128, 128):
         time.sleep(0.05)
         t0 = time.monotonic()
