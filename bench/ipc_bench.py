@@ -198,9 +198,13 @@ def _burst_timeline(post, k: int, copy_ms: float) -> dict:
     first post) for every 8th one, and the copies' gaps: the time between one copy's end and the
     next one's, beyond a copy's own ``copy_ms``. Returns the summary."""
     torch.cuda.synchronize()
-    t0 = time.monotonic()
-    ts = [post(i) for i in range(k)]
-    posted = time.monotonic() - t0
+    t0, c0 = time.monotonic(), time.thread_time()
+    ts, each = [], []
+    for i in range(k):
+        a = time.perf_counter()
+        ts.append(post(i))
+        each.append(time.perf_counter() - a)
+    posted, posted_cpu = time.monotonic() - t0, time.thread_time() - c0
     for t in ts:
         t.wait()
     lines = []
@@ -215,7 +219,12 @@ def _burst_timeline(post, k: int, copy_ms: float) -> dict:
         print(f"{i:3d}  " + "  ".join(f"{lines[i].get(key, float('nan')):8.2f}" for key in keys))
     copied = [tl.get("copied", float("nan")) for tl in lines]
     gaps = [max(0.0, copied[i] - copied[i - 1] - copy_ms) for i in range(1, k)]
-    out = {"posted_ms": 1e3 * posted, "first_launch_ms": lines[0].get("launched"), "last_copied_ms": copied[-1],
+    each.sort()
+    print(f"  each post: median {1e6 * each[k // 2]:.0f} us, p90 {1e6 * each[int(0.9 * k)]:.0f} us, max "
+          f"{1e6 * each[-1]:.0f} us; the posting thread ran {1e3 * posted_cpu:.2f} ms of CPU in the {1e3 * posted:.2f} ms "
+          f"(the rest: waiting, e.g. for the GIL)")
+    out = {"posted_ms": 1e3 * posted, "posted_cpu_ms": 1e3 * posted_cpu, "post_median_us": 1e6 * each[k // 2],
+           "first_launch_ms": lines[0].get("launched"), "last_copied_ms": copied[-1],
            "gaps_over_copy_ms": sum(gaps), "largest_gap_ms": max(gaps)}
     print("  " + ", ".join(f"{key} {v:.2f}" for key, v in out.items()))
     return out
