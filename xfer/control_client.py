@@ -100,6 +100,7 @@ class ControlClient:
         self._gen = 0  # the connection's number: a reader of an older one leaves the newer alone
         self._closed = False
         self._lane: ControlClient | None = None  # a second connection to the same peer (:meth:`lane`)
+        self._lane_lock = threading.Lock()
         self._args = (address, peer, connect_timeout, auth, dict(identity=identity, peer_id=peer_id,
                                                                  max_header=max_header, spin_s=spin_s))
 
@@ -108,7 +109,7 @@ class ControlClient:
         whose reply may wait long (the peer reads no further request of a connection before it
         answered the one it holds: a landing notice waits for its copy; see xfer.frames.Later).
         Opened by its first blocking request or by :meth:`open`."""
-        with self._lock:
+        with self._lane_lock:  # (not the sending lock: a send may wait for a connect)
             if self._lane is None:
                 address, peer, connect_timeout, auth, kw = self._args
                 self._lane = ControlClient(address, peer, connect_timeout, auth, **kw)
@@ -156,6 +157,7 @@ class ControlClient:
         self._closed = True
         with self._lock:
             self._reset(PeerDisconnectedError(f"control channel to {self.peer!r} is closed"))
+        with self._lane_lock:
             lane = self._lane
         if lane is not None:
             lane.close()
