@@ -252,7 +252,7 @@ def test_a_closed_landing_connection_is_opened_again_after_the_next_write(pair):
     t1 = a.write(peer, [1], [2])
     assert t1.wait() is TransferState.DONE and "noticed" not in dict(t1.marks)
     end = time.monotonic() + 2
-    while not lane.is_open and time.monotonic() < end:
+    while not (lane.is_open and not lane._lock.locked()) and time.monotonic() < end:  # its handshake done
         time.sleep(0.01)
     t2 = a.write(peer, [3], [4])
     assert t2.wait() is TransferState.DONE and "noticed" in dict(t2.marks)

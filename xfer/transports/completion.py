@@ -32,8 +32,9 @@ from .. import errors
 from ..error_codec import reply_error
 from .base import Job
 
-__all__ = ["open_landing_lane", "notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
-           "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply"]
+__all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
+           "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply",
+           "open_landing_lane"]
 
 
 @functools.lru_cache(maxsize=64)

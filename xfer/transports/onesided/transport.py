@@ -45,6 +45,7 @@ BATCH_MAX = 32  # transfers' notices in one control message
 # BATCH_MAX): the first copy waits for a small grant only, and each batch's grant travels while
 # the copies granted before it run (the peer checks and holds each transfer of a request in turn)
 RAMP_FIRST = 2
+_WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
 _NOTHING = object()
 
 
@@ -440,7 +441,9 @@ class OneSidedTransport(Transport):
         peer_id = job.peer.metadata.agent_id
         if peer_id in self._cold:
             self._cold.discard(peer_id)
-            open_landing_lane(job.peer, time.monotonic() + self.ctx.config.connect_timeout_s)
+            # briefly: a peer on this host shakes hands in ~1 ms; one that does not is tried again later,
+            # not waited for (the completer serves every other transfer)
+            open_landing_lane(job.peer, time.monotonic() + min(_WARM_S, self.ctx.config.connect_timeout_s))
 
     def _batches(self, job: Job) -> bool:
         return bool((job.peer.metadata.transports.get(self.kind.value) or {}).get("notify_batch"))
