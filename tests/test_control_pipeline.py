@@ -161,3 +161,59 @@ def test_a_reply_given_later_keeps_its_connection_in_order_and_the_server_servin
         one.close()
         two.close()
         server.close()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
+def test_a_lane_is_a_connection_of_its_own_opened_at_once_and_closed_with_its_client(secret):
+    """``lane()``: a second connection to the same peer (the same one each time). ``open()`` does
+    its handshake now, so a request that must not wait is sent at once; a reply the server holds
+    (a Later) on the first connection does not hold the lane's; closing the client closes the lane."""
+    from xfer.auth import Authenticator
+    from xfer.frames import Later
+
+    auth = None if secret is None else Authenticator(secret)
+    gate = threading.Event()
+
+    def handler(header, payload):
+        if header.get("later"):
+            return Later(lambda now: ({"ok": True, "n": header["n"]}, b"") if gate.is_set() else None)
+        return {"ok": True, "n": header.get("n")}, payload[::-1]
+
+    server = ControlServer("127.0.0.1", 0, handler, max_payload=1 << 20, auth=auth, identity=("srv-id", "srv"))
+    client = ControlClient(server.address, "srv", 5.0, auth, identity=("cli-id", "cli"), peer_id="srv-id")
+    try:
+        lane = client.lane()
+        assert lane is client.lane() and lane is not client and not lane.is_open
+        assert lane.submit({"n": 0}, deadline=time.monotonic() + 5, block=False) is None  # not open: nothing sent
+        lane.open(time.monotonic() + 5)
+        assert lane.is_open
+        soon = time.monotonic() + 5
+        held = client.submit({"n": 1, "later": True}, deadline=soon)  # the first connection's reply is held
+        p = lane.submit({"n": 2}, b"xy", deadline=soon, block=False)
+        assert p is not None
+        assert lane.result(p, soon) == ({"ok": True, "n": 2}, b"yx")  # answered while the first one waits
+        assert not held.done
+        gate.set()
+        assert client.result(held, soon)[0]["n"] == 1
+        client.close()
+        assert not lane.is_open
+        with pytest.raises(PeerDisconnectedError):
+            lane.request({"n": 3}, deadline=time.monotonic() + 2)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_opening_a_connection_to_a_peer_that_never_answers_ends_by_its_deadline():
+    """A listener that accepts and never answers the hello: ``open`` raises a typed error by its
+    deadline (the completer's reopening of a landing connection waits no longer than that)."""
+    quiet = socket.create_server(("127.0.0.1", 0))
+    try:
+        client = ControlClient(quiet.getsockname()[:2], "quiet", 5.0, None, identity=("cli-id", "cli"))
+        start = time.monotonic()
+        with pytest.raises((TransferTimeoutError, PeerDisconnectedError)):
+            client.open(start + 0.2)
+        assert time.monotonic() - start < 1.0 and not client.is_open
+        client.close()
+    finally:
+        quiet.close()
