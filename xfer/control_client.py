@@ -138,20 +138,23 @@ class ControlClient:
                 self._sock.sendall(self._proof)
                 self._proof = b""
                 self._used = time.monotonic()
-            except (AuthenticationError, MetadataError) as exc:
-                self._reset(exc)
-                raise
-            except (socket.timeout, TimeoutError):
-                exc = TransferTimeoutError(f"no answer from {self._where()} by the deadline")
-                self._reset(exc)
-                raise exc from None
-            except (OSError, ValueError, ConnectionError, XferError) as exc:
-                if not isinstance(exc, PeerDisconnectedError):
-                    exc = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
-                self._reset(exc)
-                raise exc from None
+            except (OSError, ValueError, ConnectionError, XferError) as exc:  # (socket.timeout is an OSError)
+                raise self._send_failed(exc) from None
         finally:
             self._lock.release()
+
+    def _send_failed(self, exc: BaseException) -> XferError:
+        """(caller holds ``_lock``) Connecting or sending failed with ``exc``: close the connection
+        (a frame sent in part would desynchronise the stream; every request in flight fails) and
+        return the typed error to raise."""
+        if isinstance(exc, (AuthenticationError, MetadataError, PeerDisconnectedError)):
+            error = exc
+        elif isinstance(exc, (socket.timeout, TimeoutError)):
+            error = TransferTimeoutError(f"no reply from {self._where()} by the deadline")
+        else:
+            error = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
+        self._reset(error)
+        return error
 
     def close(self) -> None:
         self._closed = True
@@ -262,18 +265,8 @@ class ControlClient:
                 self._sock.sendall(self._proof + frames.frame(Kind.REQUEST, h, payload, seq, mac))
                 self._proof = b""
                 return p
-            except (AuthenticationError, MetadataError) as exc:
-                self._reset(exc)
-                raise
-            except (socket.timeout, TimeoutError):
-                exc = TransferTimeoutError(f"no reply from {self._where()} by the deadline")
-                self._reset(exc)  # a frame sent in part would desynchronise the stream
-                raise exc from None
-            except (OSError, ValueError, ConnectionError, XferError) as exc:
-                if not isinstance(exc, PeerDisconnectedError):
-                    exc = PeerDisconnectedError(f"control channel to {self._where()} failed: {exc}")
-                self._reset(exc)
-                raise exc from None
+            except (OSError, ValueError, ConnectionError, XferError) as exc:  # (socket.timeout is an OSError)
+                raise self._send_failed(exc) from None
         finally:
             self._lock.release()
 
