@@ -11,6 +11,7 @@ when the first copy started, the clock's idle time between copies, the tail afte
     python bench/burst_sim.py            # DETAIL=1: every 16th transfer's phases too
     RAMP=32 python bench/burst_sim.py    # the first batch as large as any (no ramp)
     POST_US=40 python bench/burst_sim.py # each post holds the GIL 40 us more (as on the H100 host)
+    PIN=1 python bench/burst_sim.py      # the initiator on CPU 0, the target on CPU 1 (two one-core hosts)
 """
 import multiprocessing as mp
 import os
@@ -20,7 +21,13 @@ COPY_MS = float(os.environ.get("COPY_MS", "0.375"))
 DIMS = dict(num_layers=4, num_blocks=64, block_size=16, num_heads=1, head_dim=64)
 
 
+def _pin(cpu: int) -> None:
+    if os.environ.get("PIN") and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {cpu})
+
+
 def target(conn):
+    _pin(1)
     from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
     ts, lay = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **DIMS)
     a = Agent("t", AgentConfig(enable=("local",)))
@@ -73,6 +80,7 @@ def patch(transport):
 
 
 def main():
+    _pin(0)
     from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
     ctx = mp.get_context("spawn")
     c, ch = ctx.Pipe()
