@@ -104,7 +104,7 @@ class Transfer:
 
     __slots__ = ("_n", "peer", "op", "num_blocks", "nbytes", "path", "copy_path", "deadline", "created",
                  "finished", "stopped_at", "fence_s", "_state", "_error", "_lock", "_latch", "_on_cancel",
-                 "_keepalive", "_observer", "marks")
+                 "_keepalive", "_observer", "marks", "assist")
 
     def __init__(self, *, peer: str, op: Op, num_blocks: int, nbytes: int, path: str, timeout: float,
                  observer=None, fence_s: float = 5.0):
@@ -124,6 +124,9 @@ class Transfer:
             self._keepalive = None
         self._observer = observer  # called once with the transfer when it ends (metrics, logs)
         self.marks: list[tuple[str, float]] = []  # (phase, time.monotonic()) the transport reached
+        # (transport side) run by the first wait() that blocks with no timeout of its own, in the
+        # caller's thread, before it blocks: the transport may finish the transfer there
+        self.assist = None
 
     @property
     def id(self) -> str:
@@ -186,6 +189,10 @@ class Transfer:
         on until the fence, ``fence_s`` past the deadline at most, then raises
         :class:`FenceTimeoutError` (still STOPPING: keep its blocks quarantined).
         """
+        assist = self.assist
+        if assist is not None and timeout is None and not self._state.terminal:
+            self.assist = None  # once: a second waiter waits on the latch
+            assist(self)  # returns once the transfer ended, or leaves it to the transport's thread
         end = self.deadline + self.fence_s
         limit = end if timeout is None else min(end, time.monotonic() + timeout)
         with self._lock:
@@ -301,7 +308,7 @@ class Transfer:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
-            self._on_cancel, self._keepalive = None, None
+            self._on_cancel, self._keepalive, self.assist = None, None, None
             latch = self._latch
         if latch is not None:
             latch.release()

@@ -14,7 +14,8 @@ host in chunks, checking between chunks for a stop (cancel, deadline) and the pe
 control channel takes several requests in flight (xfer.control_client), so the next jobs' grant
 request leaves before this batch's copies launch. A WRITE refused at its grant releases what its
 preparation took; nothing of it moved. A completer thread waits for each job's copy, then notifies the peer (several
-jobs to one peer in one message under load). A stopped job is fenced once its copy ended (the
+jobs to one peer in one message under load); a lone job's caller blocked in ``wait()`` does that
+itself instead (xfer.transports.onesided.line). A stopped job is fenced once its copy ended (the
 chunk in flight, or the kernels queued on the stream); it then ends its grant at the peer (retried
 until the peer hears it) and reports the stop."""
 
@@ -35,6 +36,7 @@ from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
 from ..completion import (ask_grants, await_grants, complete_notified, end_grants, landing_reply, open_landing_lane,
                           send_landing_notice)
+from .line import EMPTY, Line
 from .mailbox import Mailbox
 
 __all__ = ["OneSidedTransport"]
@@ -46,7 +48,6 @@ BATCH_MAX = 32  # transfers' notices in one control message
 # the copies granted before it run (the peer checks and holds each transfer of a request in turn)
 RAMP_FIRST = 2
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
-_NOTHING = object()
 
 
 class OneSidedTransport(Transport):
@@ -90,7 +91,7 @@ class OneSidedTransport(Transport):
         self._grace = ctx.config.settings.fence.grace_s
         config = ctx.config  # the copy path asked for: AgentConfig's, else the settings' (XFER_COPY_PATH)
         self._copy_request = config.copy_path if config.copy_path is not None else config.settings.copy.path
-        self._done: queue.Queue = queue.Queue()
+        self._line = Line()  # launched jobs, in order, until finished (by the completer or their caller)
         self._worker = threading.Thread(target=self._run, name=f"xfer-{self.kind.value}-{ctx.agent_name}",
                                         daemon=True)
         self._completer = threading.Thread(target=self._complete, daemon=True,
@@ -110,6 +111,7 @@ class OneSidedTransport(Transport):
         return True
 
     def post(self, job: Job) -> None:
+        job.transfer.assist = self._assist  # a caller blocked in wait() may finish it (see line.py)
         with self._order:
             if self._closed:
                 self._fail(job, TransportError(f"{self.kind.value} transport is closed"))
@@ -218,7 +220,7 @@ class OneSidedTransport(Transport):
             if last:
                 if ahead is not None:
                     self._go(ahead)
-                self._done.put(None)
+                self._line.put(None)
                 return
 
     def _take(self, block: bool, cap: int = BATCH_MAX) -> tuple[list, bool]:
@@ -328,7 +330,7 @@ class OneSidedTransport(Transport):
                 early = self._early(job)
             if early is not None:
                 self._landing[job.transfer.id] = early
-            self._done.put((job, event))
+            self._line.put((job, event))
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer (its copy ended)
             _release(prep)
             if early is not None:  # the peer waits for its slot: told the copy stopped short first
@@ -340,7 +342,7 @@ class OneSidedTransport(Transport):
         the copy runs (XFER_NOTICE_EARLY): (slot, seq, client, pending), or None: the notice goes
         once the copy ended, as any other (the peer does not take landing notices, every slot is
         taken, the channel is busy, or other transfers wait for the completer)."""
-        if job.op is not Op.WRITE or job.grant is None or not self._done.empty() or \
+        if job.op is not Op.WRITE or job.grant is None or not self._line.empty() or \
                 not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing") or \
                 job.peer.metadata.agent_id in self._no_landing:
             return None
@@ -394,45 +396,62 @@ class OneSidedTransport(Transport):
             self._no_landing.add(job.peer.metadata.agent_id)
 
     def _complete(self) -> None:
-        """Completer: wait for each job's last copy, then notify the peer and finish the transfer.
-        Jobs to the same peer whose copies have also ended by then go in the same message
-        (``notify_batch``): under load one round trip serves several transfers."""
-        carry = _NOTHING
+        """Completer: wait for each job's last copy, then notify the peer and finish the transfer,
+        in launch order. Jobs to the same peer whose copies have also ended by then go in the same
+        message (``notify_batch``): under load one round trip serves several transfers. A job its
+        caller waits for is left to that caller (:meth:`_assist`)."""
         while True:
-            if carry is not _NOTHING:
-                item, carry = carry, _NOTHING
-            else:
-                try:
-                    item = self._done.get(timeout=0.25 if self._ends else None)
-                except queue.Empty:
-                    self._retry_ends()
-                    continue
+            item = self._line.take(timeout=0.25 if self._ends else None)
+            if item is EMPTY:
+                late = self._line.overdue()
+                if late is not None:  # a caller finishing it waits for its peer: its stop begins now
+                    late.poll()
+                self._retry_ends()
+                continue
             if item is None:
+                self._line.close()
                 self._retry_ends(final=True)
                 return
-            job, event = item
-            early = self._landing.pop(job.transfer.id, None)
-            if early is not None:  # its notice left at the launch: the peer waits for its slot
-                self._land(job, event, early)
-                continue
-            if not self._copied(job, event):
-                continue
-            batch = [job]
-            while len(batch) < BATCH_MAX and self._batches(job):
-                try:
-                    nxt = self._done.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None or nxt[0].peer is not job.peer or (nxt[1] is not None and not nxt[1].query()):
-                    carry = nxt  # handled next, in order
-                    break
-                if self._copied(*nxt):
-                    batch.append(nxt[0])
-            complete_notified(batch, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
-            if self._cold:
-                self._warm(job)
+            try:
+                self._finish_item(*item, batch=True)
+            finally:
+                self._line.finished()
             if self._ends:
                 self._retry_ends()
+
+    def _assist(self, transfer) -> None:
+        """A caller blocked in ``transfer.wait()``: finish its job in the caller's thread once it is
+        alone in the line (see xfer.transports.onesided.line); the caller waits for that until the
+        transfer's deadline at most, and the completer finishes whatever the caller did not take."""
+        if self._closed:
+            return
+        item = self._line.claim(transfer, transfer.deadline)
+        if item is None:
+            return
+        try:
+            self._finish_item(*item)
+        finally:
+            self._line.finished()
+
+    def _finish_item(self, job: Job, event, batch: bool = False) -> None:
+        """Wait for ``job``'s copy, then notify its peer (``batch``: with the next jobs to that peer
+        whose copies ended too) and end its transfer; or end it with the copy's failure."""
+        early = self._landing.pop(job.transfer.id, None)
+        if early is not None:  # its notice left at the launch: the peer waits for its slot
+            self._land(job, event, early)
+            return
+        if not self._copied(job, event):
+            return
+        jobs = [job]
+        while batch and len(jobs) < BATCH_MAX and self._batches(job):
+            nxt = self._line.take_next(job.peer)
+            if nxt is None:
+                break
+            if self._copied(*nxt):
+                jobs.append(nxt[0])
+        complete_notified(jobs, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
+        if self._cold:
+            self._warm(job)
 
     def _warm(self, job: Job) -> None:
         """Completer: open the landing connection of ``job``'s peer, which a lone WRITE found closed
@@ -486,6 +505,7 @@ class OneSidedTransport(Transport):
             except BaseException:  # noqa: BLE001 - retried until the peer hears it
                 self._end_later([job])
         job.transfer.fail(exc)
+        self._line.wake()  # a caller waiting to finish it stops waiting
 
     def _end_later(self, jobs: list[Job], by_id: bool = False) -> None:
         """Grants of ``jobs`` (one peer) to end by a later message (the last one failed)."""
