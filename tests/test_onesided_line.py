@@ -154,3 +154,28 @@ def test_the_deadline_starts_the_stop_while_the_caller_finishes_the_transfer(pai
     assert time.monotonic() - start < 0.5 + grace + 0.5
     time.sleep(grace + 2.0 - (time.monotonic() - start))
     assert b.notifications() == []
+
+
+def test_an_interrupt_in_the_callers_thread_never_leaves_the_transfer_unfinished(pair):
+    """An exception raised in the waiting caller while it finishes the transfer (as Ctrl-C would):
+    it reaches the caller, the transfer ends failed (not RUNNING forever) and its grant is ended
+    (the blocks are free: a second write into them is granted)."""
+    a, b, peer, (ta, la), (tb, lb) = pair
+    tr = next(iter(a.transports.values()))
+    real = tr._finish_item
+
+    def interrupted(job, event, batch=False):
+        raise KeyboardInterrupt
+    tr._finish_item = interrupted
+    t = a.write(peer, [1], [2])
+    with pytest.raises(KeyboardInterrupt):
+        t.wait()
+    assert t.poll() is TransferState.FAILED and "interrupted" in str(t.error)
+    tr._finish_item = real
+    end = time.monotonic() + 3
+    while len(b._grants) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert len(b._grants) == 0
+    assert a.write(peer, [3], [2]).wait() is TransferState.DONE
+    assert_blocks_equal(la, ta, [3], lb, tb, [2])
+    assert_untouched(lb, tb, [2])

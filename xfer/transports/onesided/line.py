@@ -37,6 +37,7 @@ class Line:
         self._held = None  # the transfer a caller is finishing, until its deadline passed (overdue)
         self._callers: dict = {}  # transfer -> callers waiting to finish it (Transfer.wait)
         self._closed = False
+        self._kicked = False  # take() returns EMPTY once (the completer has other work: kick())
 
     def put(self, item) -> None:
         with self._cv:
@@ -50,11 +51,14 @@ class Line:
     def take(self, timeout: float | None = None):
         """(completer) The first item once nothing is being finished and no caller waits to finish
         it: it is now being finished (:meth:`finished` ends that); None: the transport closes;
-        :data:`EMPTY`: ``timeout`` seconds passed first, or the deadline of the transfer a caller
-        is finishing did (:meth:`overdue`)."""
+        :data:`EMPTY`: ``timeout`` seconds passed first, the deadline of the transfer a caller is
+        finishing did (:meth:`overdue`), or :meth:`kick` was called."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
+                if self._kicked:
+                    self._kicked = False
+                    return EMPTY
                 if self._items and not self._busy:
                     head = self._items[0]
                     if head is None or len(self._items) > 1 or head[0].transfer not in self._callers:
@@ -129,6 +133,13 @@ class Line:
     def wake(self) -> None:
         """A transfer ended outside the line (failed before its launch): its caller stops waiting."""
         with self._cv:
+            self._cv.notify_all()
+
+    def kick(self) -> None:
+        """Have the completer's take() return (EMPTY) once: it has work besides the line (grant
+        ends to send, added by another thread)."""
+        with self._cv:
+            self._kicked = True
             self._cv.notify_all()
 
     def close(self) -> None:

@@ -432,6 +432,9 @@ class OneSidedTransport(Transport):
             self._finish_item(*item)
         finally:
             self._line.finished()
+            if transfer.finished is None:  # an exception in the caller's thread (an interrupt): never left
+                self._end_later([item[0]])  # hanging; its grant, if any, is ended by the completer
+                transfer.fail(TransportError(f"transfer {transfer.id} was interrupted while its caller finished it"))
 
     def _finish_item(self, job: Job, event, batch: bool = False) -> None:
         """Wait for ``job``'s copy, then notify its peer (``batch``: with the next jobs to that peer
@@ -512,6 +515,7 @@ class OneSidedTransport(Transport):
         if by_id or any(j.grant is not None for j in jobs):
             with self._ends_lock:
                 self._ends.append((time.monotonic() + 0.2, jobs, by_id))
+            self._line.kick()  # the completer retries them (it may be waiting for the line alone)
 
     def _retry_ends(self, final: bool = False) -> None:
         """Send the grant ends that are due (at close: once more, whatever the outcome)."""
