@@ -10,7 +10,7 @@ against two trees, interleaved (``--rounds``), with ``PYTHONPATH`` naming each.
 
 ``--phases`` also prints where a lone write's time goes (issue 32): the median ms from the call to
 each phase the transport marked (``Transfer.timeline``: granted, started, launched, copied,
-acked, finished), the initiator's control round trips by message type (the grant's, the
+acked, finished) and from its end to ``wait()`` returning, the initiator's control round trips by message type (the grant's, the
 notice's: timed around the peer handle's request function, so the same on any tree) and the
 target's handler time per message type (its control server's handler, timed in the target).
 ``--layers`` / ``--blocks`` / ``--block-size`` shape the write (e.g. ``--layers 64 --blocks 128
@@ -171,7 +171,7 @@ def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | N
                 conn.recv()
             conn.send("handled")
             conn.recv()  # the target's handler times from here on
-            lat, timelines, posts = [], [], []
+            lat, timelines, posts, tails = [], [], [], []
             sets = half // blocks
             for i in range(writes + 5):
                 time.sleep(gap)
@@ -187,6 +187,7 @@ def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | N
                 t.wait()
                 if i >= 5:
                     lat.append(time.perf_counter() - t0)
+                    tails.append(time.monotonic() - t.finished)  # its end to wait() returning
                     posts.append(t1 - t0)
                     timelines.append(t.timeline())
                 if i == 4:
@@ -221,6 +222,7 @@ def run(enable: str, writes: int, gap: float, secret: str | None, dims: dict | N
         names = list(dict.fromkeys(k for tl in timelines for k in tl))
         out["phases_ms"] = {k: _ms([tl[k] for tl in timelines if k in tl]) for k in names}
         out["post_ms"] = _ms(posts)
+        out["ended_to_returned_ms"] = _ms(tails)
         out["request_ms"] = {k: _ms(v) for k, v in requests.items()}
         rtt = [tl["granted"] - tl["asked"] for tl in timelines if "asked" in tl and "granted" in tl]
         if rtt:  # a grant asked without blocking (issue 32): its round trip from the marks
@@ -268,7 +270,8 @@ def main() -> None:
                       f"{r['burst']['rounds']} bursts)")
             if args.phases:
                 print(f"  write() returned after {r['post_ms']:.3f} ms; one write, median ms from the call to each phase: "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items()))
+                      + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items())
+                      + f"; from its end (finished) to wait() returning {r['ended_to_returned_ms']:.3f}")
                 print("  initiator's control round trips, median ms: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in r["request_ms"].items()))
                 print("  target's handler, median ms: " + ", ".join(f"{k} {v:.3f}" for k, v in r["handler_ms"].items()))

@@ -101,7 +101,8 @@ class Line:
         """The item being finished is done with (by whoever took it): the next one's turn."""
         with self._cv:
             self._busy, self._held = False, None
-            self._cv.notify_all()
+            if self._items or self._callers:  # (no one else waits for this: the completer sleeps on,
+                self._cv.notify_all()  # the caller returns without handing the GIL to it)
 
     def claim(self, transfer, until: float):
         """(a caller in ``transfer.wait()``) Wait until ``transfer``'s item is first in the line with
@@ -128,7 +129,8 @@ class Line:
                 n = self._callers.pop(transfer) - 1
                 if n:
                     self._callers[transfer] = n
-                self._cv.notify_all()  # the completer may take what this caller leaves
+                if self._items:
+                    self._cv.notify_all()  # the completer may take what this caller leaves
 
     def wake(self) -> None:
         """A transfer ended outside the line (failed before its launch): its caller stops waiting."""
