@@ -168,3 +168,41 @@ def one_torch_thread(request) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
+
+
+DIMS_TINY = dict(num_layers=2, num_blocks=16, block_size=4, num_heads=1, head_dim=16)
+
+
+def local_pair(prefix: str, seed: int, dims=DIMS_TINY):
+    """Two in-process agents on ``local`` over shared-memory caches (a generator for a fixture):
+    yields (a, b, a's peer handle of b, (a's tensors, layout), (b's tensors, layout)); a's cache
+    random, b's poisoned; both closed after."""
+    ta, la = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **dims)
+    tb, lb = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **dims)
+    fill_random(ta, seed=seed)
+    poison(tb)
+    a = Agent(f"{prefix}-a", AgentConfig(enable=("local",), default_timeout_s=5))
+    b = Agent(f"{prefix}-b", AgentConfig(enable=("local",), default_timeout_s=5))
+    try:
+        a.register("kv", ta, la)
+        b.register("kv", tb, lb)
+        yield a, b, a.connect(b.metadata()), (ta, la), (tb, lb)
+    finally:
+        a.close()
+        b.close()
+
+
+def slowed(agent, delay: float, before=None):
+    """The agent's one-sided host copies start ``delay`` seconds late (``before(job)`` runs first)."""
+    import time
+
+    tr = next(iter(agent.transports.values()))
+    real = tr._launch
+
+    def launch(job, prep=None):
+        if before is not None:
+            before(job)
+        time.sleep(delay)
+        return real(job, prep)
+    tr._launch = launch
+    return tr

@@ -14,13 +14,10 @@ import time
 import pytest
 import torch
 
-from helpers import assert_blocks_equal, assert_untouched, fill_random, poison
+from helpers import DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, slowed
 from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
 from xfer.errors import InvalidArgumentError, TransferCancelledError, TransferTimeoutError
 from xfer.transfer import TransferState
-
-DIMS = dict(num_layers=2, num_blocks=16, block_size=4, num_heads=1, head_dim=16)
-
 
 @pytest.fixture
 def pair(monkeypatch):
@@ -28,32 +25,7 @@ def pair(monkeypatch):
 
     monkeypatch.setenv("XFER_NOTICE_EARLY", "1")
     reload()
-    ta, la = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **DIMS)
-    tb, lb = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **DIMS)
-    fill_random(ta, seed=3)
-    poison(tb)
-    a = Agent("early-a", AgentConfig(enable=("local",), default_timeout_s=5))
-    b = Agent("early-b", AgentConfig(enable=("local",), default_timeout_s=5))
-    a.register("kv", ta, la)
-    b.register("kv", tb, lb)
-    peer = a.connect(b.metadata())
-    yield a, b, peer, (ta, la), (tb, lb)
-    a.close()
-    b.close()
-
-
-def slowed(agent, delay: float, before=None):
-    """The agent's host copies start ``delay`` seconds late (``before()`` runs first)."""
-    tr = next(iter(agent.transports.values()))
-    real = tr._launch
-
-    def launch(job, prep=None):
-        if before is not None:
-            before(job)
-        time.sleep(delay)
-        return real(job, prep)
-    tr._launch = launch
-    return tr
+    yield from local_pair("early", seed=3)
 
 
 def test_the_notice_leaves_at_the_launch_and_is_delivered_only_after_the_bytes_landed(pair):

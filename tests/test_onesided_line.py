@@ -12,28 +12,13 @@ import time
 
 import pytest
 
-from helpers import assert_blocks_equal, assert_untouched, fill_random, poison
-from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
+from helpers import assert_blocks_equal, assert_untouched, local_pair, slowed
 from xfer.errors import NotRegisteredError, TransferTimeoutError
 from xfer.transfer import TransferState
 
-DIMS = dict(num_layers=2, num_blocks=16, block_size=4, num_heads=1, head_dim=16)
-
-
 @pytest.fixture
 def pair():
-    ta, la = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **DIMS)
-    tb, lb = make_kv_cache("vllm_flash_attn_nhd", empty=shared_empty, **DIMS)
-    fill_random(ta, seed=5)
-    poison(tb)
-    a = Agent("line-a", AgentConfig(enable=("local",), default_timeout_s=5))
-    b = Agent("line-b", AgentConfig(enable=("local",), default_timeout_s=5))
-    a.register("kv", ta, la)
-    b.register("kv", tb, lb)
-    peer = a.connect(b.metadata())
-    yield a, b, peer, (ta, la), (tb, lb)
-    a.close()
-    b.close()
+    yield from local_pair("line", seed=5)
 
 
 def finishers(agent) -> list[tuple[str, str]]:
@@ -46,17 +31,6 @@ def finishers(agent) -> list[tuple[str, str]]:
         return real(job, event, batch)
     tr._finish_item = finish
     return seen
-
-
-def slowed(agent, delay: float):
-    """The agent's host copies start ``delay`` seconds late."""
-    tr = next(iter(agent.transports.values()))
-    real = tr._launch
-
-    def launch(job, prep=None):
-        time.sleep(delay)
-        return real(job, prep)
-    tr._launch = launch
 
 
 def test_a_lone_transfer_is_finished_by_the_thread_waiting_for_it(pair):
