@@ -153,3 +153,41 @@ def test_an_interrupt_in_the_callers_thread_never_leaves_the_transfer_unfinished
     assert a.write(peer, [3], [2]).wait() is TransferState.DONE
     assert_blocks_equal(la, ta, [3], lb, tb, [2])
     assert_untouched(lb, tb, [2])
+
+
+def test_an_interrupt_while_the_caller_waits_for_a_queued_copy_ends_the_transfer_only_after_the_copy(pair):
+    """Ctrl-C while the waiting caller polls a copy still queued on a stream: the interrupt reaches
+    the caller, but the transfer is reported ended (failed) only once the copy ended (a kernel
+    cannot be stopped), and its grant ends after that too."""
+    a, b, peer, (ta, la), (tb, lb) = pair
+    tr = next(iter(a.transports.values()))
+    real_launch, real_wait = tr._launch, tr._wait_copy
+
+    class Queued:  # a copy that runs on for 0.3 s after its launch (its bytes landed at once here)
+        def __init__(self):
+            self.end = time.monotonic() + 0.3
+
+        def query(self):
+            return time.monotonic() >= self.end
+
+        def synchronize(self):
+            time.sleep(max(0.0, self.end - time.monotonic()))
+
+    events = []
+
+    def launch(job, prep=None):
+        real_launch(job, prep)
+        events.append(Queued())
+        return events[-1]
+
+    def interrupted(job, event):
+        raise KeyboardInterrupt
+    tr._launch, tr._wait_copy = launch, interrupted
+    t = a.write(peer, [4], [5])
+    with pytest.raises(KeyboardInterrupt):
+        t.wait()
+    assert t.poll() is TransferState.FAILED and t.finished >= events[0].end
+    tr._launch, tr._wait_copy = real_launch, real_wait
+    assert a.write(peer, [6], [5]).wait() is TransferState.DONE  # its grant ended: the blocks are free
+    assert_blocks_equal(la, ta, [6], lb, tb, [5])
+    assert_untouched(lb, tb, [5])

@@ -381,8 +381,11 @@ class OneSidedTransport(Transport):
         try:
             self._wait_copy(job, event)
         except BaseException as exc:  # noqa: BLE001 - the copy ended short: nothing is delivered
+            _settled(event)
             self._answered(job, early, landed=False)
             self._fail(job, exc)
+            if not isinstance(exc, Exception):
+                raise  # (an interrupt in a waiting caller's thread: it reaches the caller)
             return
         refused = self._answered(job, early, landed=True)
         if refused is None:
@@ -433,7 +436,8 @@ class OneSidedTransport(Transport):
         finally:
             self._line.finished()
             if transfer.finished is None:  # an exception in the caller's thread (an interrupt): never left
-                self._end_later([item[0]])  # hanging; its grant, if any, is ended by the completer
+                _settled(item[1])  # hanging, nor reported ended while its kernel may still write;
+                self._end_later([item[0]])  # its grant, if any, is ended by the completer
                 transfer.fail(TransportError(f"transfer {transfer.id} was interrupted while its caller finished it"))
 
     def _finish_item(self, job: Job, event, batch: bool = False) -> None:
@@ -476,7 +480,10 @@ class OneSidedTransport(Transport):
             self._wait_copy(job, event)
             return True
         except BaseException as exc:  # noqa: BLE001
+            _settled(event)  # (an interrupt of the wait: the kernel runs on, and may still write)
             self._fail(job, exc)
+            if not isinstance(exc, Exception):
+                raise  # (an interrupt in a waiting caller's thread: it reaches the caller)
             return False
 
     def _wait_copy(self, job: Job, event) -> None:
@@ -613,6 +620,20 @@ class _Prep:
     def __init__(self, bound, src_ids, dst_ids, path, stream, per_chunk):
         self.bound, self.src_ids, self.dst_ids, self.path = bound, src_ids, dst_ids, path
         self.stream, self.per_chunk, self.staged = stream, per_chunk, None
+
+
+def _settled(event) -> None:
+    """Return once a queued copy (its CUDA event; None: nothing queued) ended, whatever interrupts
+    the wait: a kernel cannot be stopped, and a transfer is never reported ended while it may still
+    write. A CUDA error ends the wait (the context then runs nothing more)."""
+    while event is not None:
+        try:
+            event.synchronize()
+            return
+        except KeyboardInterrupt:
+            continue
+        except Exception:  # noqa: BLE001
+            return
 
 
 def _release(prep) -> None:
