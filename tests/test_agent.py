@@ -444,11 +444,12 @@ def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(
     from xfer.transports import completion
     from xfer.transports.onesided import transport as onesided
 
-    launched, gate, grants = [], threading.Event(), []
+    launched, gate, entered, grants = [], threading.Event(), threading.Event(), []
     real_launch, real_ask = onesided.OneSidedTransport._launch, completion.ask_grants
 
     def launch(self, job, prep=None):
         if job.notify == b"held":
+            entered.set()
             assert gate.wait(10)
         launched.append((job.notify, threading.current_thread().name))
         return real_launch(self, job, prep)
@@ -464,6 +465,7 @@ def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(
     me = threading.current_thread().name
     pair.a.write(pair.peer, [1], [1], notify=b"first").wait()
     held = pair.a.write(pair.peer, [2], [6], notify=b"held")  # held at launch, on the worker
+    assert entered.wait(10)  # the worker is in that launch: what is posted now queues together
     t0 = time.monotonic()
     behind = [pair.a.write(pair.peer, [b], [7 - b], notify=b"behind-%d" % b) for b in (3, 4)]
     assert time.monotonic() - t0 < 1.0  # queued behind the held one: the posts did not wait for it
