@@ -18,7 +18,7 @@ import os
 import time
 
 COPY_MS = float(os.environ.get("COPY_MS", "0.375"))
-DIMS = dict(num_layers=4, num_blocks=64, block_size=16, num_heads=1, head_dim=64)
+DIMS = dict(num_layers=4, num_blocks=int(os.environ.get("NBLK", "64")), block_size=16, num_heads=1, head_dim=64)
 
 
 def _pin(cpu: int) -> None:

@@ -401,7 +401,7 @@ def main(argv=None) -> dict:
                                           ("xfer write granted ahead, one request end to end",
                                            lambda: tokens.append(target.call("grant", (agent.name, dst.tolist()))),
                                            lambda: tokens.pop())):
-                    times, tls, posts = [], [], []
+                    times, tls, posts, waits, syncs = [], [], [], [], []
                     for k in range(args.iters + 3):
                         torch.cuda.synchronize()
                         prep()
@@ -410,16 +410,22 @@ def main(argv=None) -> dict:
                         t = agent.write(peer, src, dst, grant=token)
                         posted = time.perf_counter()
                         t.wait()
+                        waited = time.perf_counter()
                         torch.cuda.synchronize()
                         if k >= 3:
-                            times.append(1e3 * (time.perf_counter() - t0))
+                            end = time.perf_counter()
+                            times.append(1e3 * (end - t0))
                             posts.append(1e3 * (posted - t0))
+                            waits.append(1e3 * (waited - t0))
+                            syncs.append(1e3 * (end - waited))
                             tls.append(t.timeline())
                     rows.append({"name": name, "ms": statistics.median(times), "p99_ms": float(np.percentile(times, 99))})
                     if "granted ahead" in name:
                         ahead_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in tls)
                                         for k in tls[-1]}
                         ahead_phases["write() returned"] = statistics.median(posts)
+                        ahead_phases["wait() returned"] = statistics.median(waits)
+                        ahead_phases["then the device synchronised (ms after wait())"] = statistics.median(syncs)
                         if args.profile:  # where the posting thread's time goes (the launch runs in it)
                             _profile_writes(lambda tok: agent.write(peer, src, dst, grant=tok), prep, grant)
                 target.call("drain")
