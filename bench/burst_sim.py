@@ -12,6 +12,7 @@ when the first copy started, the clock's idle time between copies, the tail afte
     RAMP=32 python bench/burst_sim.py    # the first batch as large as any (no ramp)
     POST_US=40 python bench/burst_sim.py # each post holds the GIL 40 us more (as on the H100 host)
     PIN=1 python bench/burst_sim.py      # the initiator on CPU 0, the target on CPU 1 (two one-core hosts)
+    NBLK=1024 python bench/burst_sim.py  # a larger cache (the posts' id checks as on ipc_bench's sets)
 """
 import multiprocessing as mp
 import os
