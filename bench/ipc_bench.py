@@ -270,8 +270,9 @@ def main(argv=None) -> dict:
                    help="back to back: at most this many requests in flight (8: one per block set; 0, the default: "
                         "a whole burst at once, which the grants allow: one initiator's overlapping writes are its "
                         "own order to keep)")
-    p.add_argument("--ask-inline", action="store_true",
-                   help="a lone write's grant request sent by the posting thread (XFER_ASK_INLINE)")
+    p.add_argument("--ask-inline", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="a lone write's grant request sent by the posting thread (XFER_ASK_INLINE; auto, the "
+                        "default: the library's, on for ipc; a bare --ask-inline: on)")
     p.add_argument("--ahead", action="store_true",
                    help="also time one request under a grant the target issued ahead (Agent.grant; the token "
                         "passed over the bench's pipe before the clock starts), beside the same write after the "
@@ -294,7 +295,10 @@ def main(argv=None) -> dict:
 
         onesided.RAMP_FIRST = args.ramp
     # the settings (XFER_ASK_INLINE, XFER_STAGE_IDS) every agent of this run reads, the target's included
-    os.environ["XFER_ASK_INLINE"] = "1" if args.ask_inline else "0"
+    if args.ask_inline == "auto":
+        os.environ.pop("XFER_ASK_INLINE", None)
+    else:
+        os.environ["XFER_ASK_INLINE"] = "1" if args.ask_inline == "on" else "0"
     os.environ["XFER_STAGE_IDS"] = "0" if args.no_stage_ids else "1"
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)

@@ -435,6 +435,41 @@ def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypat
         pair.b._handle({**header, "batch": header["batch"][:1]}, b"abcd")
 
 
+@pytest.mark.parametrize("setting,stream,inline", [(None, False, False), (None, True, True), ("1", False, True),
+                                                     ("0", True, False)])
+def test_who_sends_a_lone_writes_grant_request(monkeypatch, setting, stream, inline):
+    """XFER_ASK_INLINE: a lone WRITE's grant request leaves from the posting thread (one send, no
+    wait) or from the worker; unset, from the posting thread where the copy launches on a stream
+    (ipc, NVSHMEM direct: here a host copy taken for one), from the worker for host copies. Either
+    way the bytes land and the untouched blocks stay poisoned."""
+    from xfer.transports.onesided import transport as onesided
+
+    if setting is None:
+        monkeypatch.delenv("XFER_ASK_INLINE", raising=False)
+    else:
+        monkeypatch.setenv("XFER_ASK_INLINE", setting)
+    if stream:
+        monkeypatch.setattr(onesided.OneSidedTransport, "_launches_async", lambda self, job: True)
+    askers, real_ask = [], onesided.ask_grants
+
+    def ask(jobs, *args, **kw):
+        out = real_ask(jobs, *args, **kw)
+        askers.append(threading.current_thread().name)
+        return out
+
+    monkeypatch.setattr(onesided, "ask_grants", ask)
+    p = Pair(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    try:
+        me = threading.current_thread().name
+        for src, dst in (([1, 2], [5, 3]), ([4], [0])):
+            p.a.write(p.peer, src, dst).wait()  # each alone: nothing queued before it
+        assert len(askers) == 2 and all((who == me) is inline for who in askers), askers
+        assert_blocks_equal(p.la, p.ta, [1, 2, 4], p.lb, p.tb, [5, 3, 0])
+        assert_untouched(p.lb, p.tb, [0, 3, 5])
+    finally:
+        p.close()
+
+
 def test_copies_launch_after_their_grants_in_posting_order_and_posts_never_wait(pair, monkeypatch):
     """Every copy waits for the peer's grant, asked by the posting thread when nothing waits
     before it (one send, no wait: issue 32), else by the worker: a post returns at once whatever

@@ -93,10 +93,12 @@ KNOBS: tuple[Knob, ...] = (
          "mapped, path chosen, the kernel's block ids uploaded), so the launch after the grant is the kernel's "
          "alone; off: prepared at its launch (H100, lone seed-case write: launch after the grant 0.07 ms on, "
          "0.2 ms off)"),
-    Knob("XFER_ASK_INLINE", "onesided", "ask_inline", "bool", False, "",
+    Knob("XFER_ASK_INLINE", "onesided", "ask_inline", "bool", None, "",
          "ipc/local/NVSHMEM-direct: a lone WRITE's grant request is sent by the posting thread (one send, no "
-         "wait) rather than the worker; off by default: on the 2-core CPU VM it added ~100 us to write() and "
-         "took nothing off the call-to-granted time"),
+         "wait) rather than the worker; unset: where its copy launches on a CUDA stream (ipc, NVSHMEM direct: on "
+         "an H100 a lone seed-case write took 0.94 against 1.19-1.20 ms, and 1.09 against 1.58-1.65 ms), not "
+         "for host copies (local: on the 2-core CPU VM it added ~100 us to write() and took nothing off the "
+         "call-to-granted time)"),
     Knob("XFER_UCX_CHUNK_BYTES", "ucx", "chunk_bytes", "bytes", 16 << 20, "bytes",
          "host staging slot and wire message size; published to peers, who plan with the smaller side's"),
     Knob("XFER_UCX_DEPTH", "ucx", "depth", "int", 4, "chunks",
@@ -337,7 +339,7 @@ class CopySettings:
 class OneSidedSettings:
     launch_inline: bool = True
     stage_ids: bool = True
-    ask_inline: bool = False
+    ask_inline: bool | None = None  # None: on for copies launched on a CUDA stream
     notice_early: bool = False
 
 

@@ -77,8 +77,9 @@ class OneSidedTransport(Transport):
         self._queued = 0  # jobs handed to the worker and not launched (or ended) yet (under _order)
         # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread
         self._inline = ctx.config.settings.onesided.launch_inline
-        # XFER_ASK_INLINE: a lone WRITE's grant request sent by the posting thread; XFER_STAGE_IDS: a
-        # stream copy prepared while its grant request travels (host copies are prepared at launch)
+        # XFER_ASK_INLINE: a lone WRITE's grant request sent by the posting thread (None: where its copy
+        # launches on a stream); XFER_STAGE_IDS: a stream copy prepared while its grant request travels
+        # (host copies are prepared at launch)
         self.ask_inline = ctx.config.settings.onesided.ask_inline
         self.stage_ids = ctx.config.settings.onesided.stage_ids
         # XFER_NOTICE_EARLY: a lone WRITE's notice leaves at its launch, naming a landing slot (mailbox)
@@ -130,7 +131,8 @@ class OneSidedTransport(Transport):
                 return
             # (ask_inline) a WRITE when nothing waits before it: its grant request leaves now
             # (one send, no wait), so the worker's wake-up and the copy's preparation overlap the round trip
-            lone = self._inline and self.ask_inline and job.op is Op.WRITE and job.grant is None and self._queued == 0
+            lone = self._inline and self.ask_inline is not False and job.op is Op.WRITE and job.grant is None and \
+                self._queued == 0 and (self.ask_inline or self._launches_async(job))
             ask = self._ask_now(job) if lone else None
             self._queued += 1
             self._jobs.put((job, ask))
