@@ -339,6 +339,42 @@ def test_metrics_and_transfer_logs(caplog):
         a.close(), b.close()
 
 
+def test_the_metrics_tally_counts_what_ended_when_scraped(monkeypatch):
+    """Ended transfers are counted when scraped (xfer.metrics._Tally), or by the thread that ends
+    one once too many wait: every count, byte, error and histogram bucket as prometheus would."""
+    pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client")
+    from xfer import metrics
+
+    monkeypatch.setattr(metrics, "_DRAIN_AT", 3)
+    tally = metrics._Tally()
+    from xfer import Op, TransferState
+
+    w, done, failed = Op.WRITE, TransferState.DONE, TransferState.FAILED
+    ended = [("a", w, "ipc (copy: triton)", done, "", 2e-4, 100),
+             ("a", w, "ipc", done, "", 1e-4, 50),  # on a bucket's bound: counted in it
+             ("a", w, "ipc", failed, "PeerDisconnectedError", 5.0, 7),
+             ("a", Op.READ, "local", done, "", 99.0, 1)]
+    for item in ended[:3]:
+        tally.add(item)
+    assert len(tally._ended) == 3
+    tally.add(ended[3])  # a fourth: counted by this thread
+    assert not tally._ended
+    fams = {f.name: f for f in tally.collect()}
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in fams.values() for x in f.samples}
+    ipc = (("agent", "a"), ("op", "write"), ("path", "ipc"))
+    assert samples[("xfer_transfers_total", tuple(sorted(ipc + (("state", "DONE"),))))] == 2
+    assert samples[("xfer_transfers_total", tuple(sorted(ipc + (("state", "FAILED"),))))] == 1
+    assert samples[("xfer_bytes_total", ipc)] == 150  # DONE only
+    assert samples[("xfer_errors_total", tuple(sorted(ipc + (("error", "PeerDisconnectedError"),))))] == 1
+    le = lambda b: ("xfer_transfer_seconds_bucket", tuple(sorted(ipc + (("le", b),))))  # noqa: E731
+    assert [samples[le(b)] for b in ("0.0001", "0.0003", "3.0", "10.0", "+Inf")] == [1, 2, 2, 3, 3]
+    assert samples[("xfer_transfer_seconds_count", ipc)] == 3
+    assert samples[("xfer_transfer_seconds_sum", ipc)] == pytest.approx(5.0003)
+    read = (("agent", "a"), ("op", "read"), ("path", "local"))
+    assert samples[("xfer_transfer_seconds_bucket", tuple(sorted(read + (("le", "30.0"),))))] == 0
+    assert samples[("xfer_transfer_seconds_bucket", tuple(sorted(read + (("le", "+Inf"),))))] == 1
+
+
 def test_an_agent_listening_beyond_loopback_without_a_secret_says_so_once(caplog):
     with caplog.at_level(logging.WARNING, logger="xfer.agent"):
         Agent("quiet", AgentConfig(enable=LOCAL)).close()  # 127.0.0.1: nothing to say
