@@ -67,7 +67,7 @@ class OneSidedTransport(Transport):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (C: a put wakes the worker only if it sleeps)
         self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
         # a local region's checked copies to and from a peer region (xfer.kernels.BoundCopy) live on
         # the local region (its state), under (this kind, peer agent id, peer region, is a write)
