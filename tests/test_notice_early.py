@@ -12,11 +12,10 @@ import threading
 import time
 
 import pytest
-import torch
 
 from helpers import DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, slowed
 from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
-from xfer.errors import InvalidArgumentError, TransferCancelledError, TransferTimeoutError
+from xfer.errors import InvalidArgumentError, TransferCancelledError
 from xfer.transfer import TransferState
 
 @pytest.fixture
