@@ -340,8 +340,9 @@ def test_metrics_and_transfer_logs(caplog):
 
 
 def test_the_metrics_tally_counts_what_ended_when_scraped(monkeypatch):
-    """Ended transfers are counted when scraped (xfer.metrics._Tally), or by the thread that ends
-    one once too many wait: every count, byte, error and histogram bucket as prometheus would."""
+    """Ended transfers are counted when scraped (xfer.metrics._Tally), or, two at a time, by the
+    threads that end more once too many wait (never while a scrape holds the counts): every count,
+    byte, error and histogram bucket as prometheus would."""
     pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client")
     from xfer import metrics
 
@@ -357,8 +358,12 @@ def test_the_metrics_tally_counts_what_ended_when_scraped(monkeypatch):
     for item in ended[:3]:
         tally.add(item)
     assert len(tally._ended) == 3
-    tally.add(ended[3])  # a fourth: counted by this thread
-    assert not tally._ended
+    with tally._lock:  # a scrape in progress: the ending thread does not wait for it
+        tally.add(ended[3])
+    assert len(tally._ended) == 4
+    tally.add(ended[3])  # a fifth (the fourth again, for the test): two counted by this thread
+    assert len(tally._ended) == 3
+    tally._ended.pop()  # (the repeated item, not counted yet)
     fams = {f.name: f for f in tally.collect()}
     samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in fams.values() for x in f.samples}
     ipc = (("agent", "a"), ("op", "write"), ("path", "ipc"))

@@ -20,7 +20,7 @@ __all__ = ["Metrics"]
 
 log = logging.getLogger("xfer.transfer")
 _BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
-_DRAIN_AT = 4096  # ended transfers waiting to be counted: past this the thread ending one counts them
+_DRAIN_AT = 4096  # ended transfers waiting to be counted: past this the thread ending one counts two
 _METRICS = None  # created once per process: prometheus refuses duplicate names in one registry
 _LOCK = threading.Lock()  # agents may be constructed on several threads at once
 
@@ -54,7 +54,7 @@ class _Tally:
 
     def __init__(self) -> None:
         self._ended: collections.deque = collections.deque()  # (agent, Op, path, TransferState, error type, seconds, bytes)
-        self._lock = threading.Lock()  # the counts below; a scrape and a drain on a full deque
+        self._lock = threading.Lock()  # the counts below (a scrape; an ending thread past _DRAIN_AT)
         self._transfers: dict = {}  # (agent, op, path, state) -> count
         self._bytes: dict = {}  # (agent, op, path) -> payload bytes of DONE transfers
         self._errors: dict = {}  # (agent, op, path, error) -> count
@@ -62,27 +62,38 @@ class _Tally:
 
     def add(self, item: tuple) -> None:
         self._ended.append(item)
-        if len(self._ended) > _DRAIN_AT:
-            self.drain()
+        # unscraped past the bound: this thread counts two (the backlog shrinks, no call counts it all);
+        # never waiting for a scrape in progress
+        if len(self._ended) > _DRAIN_AT and self._lock.acquire(blocking=False):
+            try:
+                self._count(2)
+            finally:
+                self._lock.release()
 
     def drain(self) -> None:
         """Count the ended transfers added so far."""
         with self._lock:
-            ended = self._ended
-            while ended:
-                agent, op, path, state, error, seconds, nbytes = ended.popleft()
-                key = (agent, op.value, path.split(" ", 1)[0])
-                state = key + (state.name,)
-                self._transfers[state] = self._transfers.get(state, 0) + 1
-                if error:
-                    self._errors[key + (error,)] = self._errors.get(key + (error,), 0) + 1
-                else:
-                    self._bytes[key] = self._bytes.get(key, 0) + nbytes
-                hist = self._seconds.get(key)
-                if hist is None:
-                    hist = self._seconds[key] = [0] * (len(_BUCKETS) + 2)
-                hist[bisect.bisect_left(_BUCKETS, seconds)] += 1
-                hist[-1] += seconds
+            self._count(None)
+
+    def _count(self, limit: int | None) -> None:
+        """(under the lock) Count the oldest ``limit`` ended transfers (None: all of them)."""
+        ended = self._ended
+        while ended and (limit is None or limit > 0):
+            if limit is not None:
+                limit -= 1
+            agent, op, path, state, error, seconds, nbytes = ended.popleft()
+            key = (agent, op.value, path.split(" ", 1)[0])
+            state = key + (state.name,)
+            self._transfers[state] = self._transfers.get(state, 0) + 1
+            if error:
+                self._errors[key + (error,)] = self._errors.get(key + (error,), 0) + 1
+            else:
+                self._bytes[key] = self._bytes.get(key, 0) + nbytes
+            hist = self._seconds.get(key)
+            if hist is None:
+                hist = self._seconds[key] = [0] * (len(_BUCKETS) + 2)
+            hist[bisect.bisect_left(_BUCKETS, seconds)] += 1
+            hist[-1] += seconds
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
