@@ -99,28 +99,26 @@ class _Tally:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
         self.drain()
+        base = ["agent", "op", "path"]
+        out = []
         with self._lock:
-            transfers = CounterMetricFamily("xfer_transfers", "Transfers ended, by final state",
-                                            labels=["agent", "op", "path", "state"])
-            for key, n in self._transfers.items():
-                transfers.add_metric(list(key), n)
-            done = CounterMetricFamily("xfer_bytes", "Payload bytes of transfers that completed",
-                                       labels=["agent", "op", "path"])
-            for key, n in self._bytes.items():
-                done.add_metric(list(key), n)
-            errors = CounterMetricFamily("xfer_errors", "Transfers that ended in an error, by type",
-                                         labels=["agent", "op", "path", "error"])
-            for key, n in self._errors.items():
-                errors.add_metric(list(key), n)
-            seconds = HistogramMetricFamily("xfer_transfer_seconds", "Seconds from post to end",
-                                            labels=["agent", "op", "path"])
+            for name, doc, extra, counts in (
+                    ("xfer_transfers", "Transfers ended, by final state", ["state"], self._transfers),
+                    ("xfer_bytes", "Payload bytes of transfers that completed", [], self._bytes),
+                    ("xfer_errors", "Transfers that ended in an error, by type", ["error"], self._errors)):
+                family = CounterMetricFamily(name, doc, labels=base + extra)
+                for key, n in counts.items():
+                    family.add_metric(list(key), n)
+                out.append(family)
+            seconds = HistogramMetricFamily("xfer_transfer_seconds", "Seconds from post to end", labels=base)
             for key, hist in self._seconds.items():
                 cumulative, buckets = 0, []
                 for bound, n in zip(_BUCKETS + (float("inf"),), hist[:-1]):
                     cumulative += n
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
                 seconds.add_metric(list(key), buckets, sum_value=hist[-1])
-        return [transfers, done, errors, seconds]
+            out.append(seconds)
+        return out
 
 
 class Metrics:
