@@ -15,6 +15,8 @@ import pytest
 from xfer.errors import InvalidArgumentError, StoreError, StoreTimeoutError
 from xfer.store import EtcdStore, TCPStoreBackend, open_store
 
+from fence_helpers import freeze
+
 try:
     import etcd3gw  # noqa: F401
 
@@ -340,7 +342,7 @@ def test_frozen_server_every_call_returns_by_its_bound(backend, tmp_path):
     peer = open_store(url, timeout=1.0, prefix=f"frozen-{uuid.uuid4().hex}/")
     try:
         peer.set("k", b"v")
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)  # returns once every thread is stopped: a loaded host could still answer otherwise
         try:
             calls = [("try_get", lambda: peer.try_get("k"), 1.0), ("get", lambda: peer.get("absent", 0.5), 1.5),
                      ("set", lambda: peer.set("k2", b"x"), 1.0), ("add", lambda: peer.add("n", 1), 1.0)]
