@@ -273,6 +273,9 @@ def main(argv=None) -> dict:
     p.add_argument("--ask-inline", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="a lone write's grant request sent by the posting thread (XFER_ASK_INLINE; auto, the "
                         "default: the library's, on for ipc; a bare --ask-inline: on)")
+    p.add_argument("--notice-early", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="a lone write's notice sent at its copy's launch, naming a landing slot (XFER_NOTICE_EARLY; "
+                        "auto, the default: the library's, on for ipc; a bare --notice-early: on)")
     p.add_argument("--ahead", action="store_true",
                    help="also time one request under a grant the target issued ahead (Agent.grant; the token "
                         "passed over the bench's pipe before the clock starts), beside the same write after the "
@@ -294,11 +297,13 @@ def main(argv=None) -> dict:
         from xfer.transports.onesided import transport as onesided
 
         onesided.RAMP_FIRST = args.ramp
-    # the settings (XFER_ASK_INLINE, XFER_STAGE_IDS) every agent of this run reads, the target's included
-    if args.ask_inline == "auto":
-        os.environ.pop("XFER_ASK_INLINE", None)
-    else:
-        os.environ["XFER_ASK_INLINE"] = "1" if args.ask_inline == "on" else "0"
+    # the settings (XFER_ASK_INLINE, XFER_NOTICE_EARLY, XFER_STAGE_IDS) every agent of this run reads, the
+    # target's included
+    for var, choice in (("XFER_ASK_INLINE", args.ask_inline), ("XFER_NOTICE_EARLY", args.notice_early)):
+        if choice == "auto":
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = "1" if choice == "on" else "0"
     os.environ["XFER_STAGE_IDS"] = "0" if args.no_stage_ids else "1"
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
@@ -479,7 +484,7 @@ def main(argv=None) -> dict:
         "post_us_median": statistics.median(post),
         "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids,
                      "switch_interval_ms": args.switch_interval_ms or 5.0, "ramp": args.ramp or None,
-                     "notice_early": os.environ.get("XFER_NOTICE_EARLY", "0") not in ("", "0")},
+                     "notice_early": args.notice_early},
         "write_timeline_ms": phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
         **({"burst_timeline": burst_phases} if args.burst_timeline else {}),

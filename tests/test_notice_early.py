@@ -1,4 +1,4 @@
-"""A lone WRITE's notice sent at its copy's launch (XFER_NOTICE_EARLY; xfer.transports.onesided.mailbox).
+"""A lone WRITE's or READ's notice sent at its copy's launch (XFER_NOTICE_EARLY; xfer.transports.onesided.mailbox).
 
 The target checks the notice when it comes and answers it only once the initiator wrote its
 landing slot: delivered after every byte landed, never before; a copy stopped short delivers
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, slowed
+from helpers import DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, poison, slowed
 from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
 from xfer.errors import InvalidArgumentError, TransferCancelledError
 from xfer.transfer import TransferState
@@ -61,6 +61,88 @@ def test_a_copy_stopped_before_it_ran_delivers_nothing_and_ends_its_grant(pair):
     assert_untouched(lb, tb, [])  # nothing landed
     assert a.write(peer, [1, 2, 3], [4, 5, 6]).wait() is TransferState.DONE  # the blocks are free again
 
+
+
+def _reading(pair):
+    """The pair with the reader's (a's) cache poisoned and the target's (b's) random."""
+    a, b, peer, (ta, la), (tb, lb) = pair
+    fill_random(tb, seed=5)
+    poison(ta)
+    return pair
+
+
+def test_a_lone_reads_notice_leaves_at_the_launch_and_is_checked_after_its_copy(pair):
+    """A READ's notice names its blocks and the copy's start: it leaves before the (held) copy, is
+    delivered only after the initiator wrote its slot, and the initiator's blocks hold the peer's."""
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    slowed(a, 0.3)
+    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"pulled")
+    time.sleep(0.15)  # the notice is at the target, the copy not begun
+    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    assert b.notifications() == []
+    assert t.wait() is TransferState.DONE
+    tl = t.timeline()
+    assert tl["noticed"] < tl["launched"] < tl["copied"] <= tl["acked"]
+    note = b.wait_notification(2)
+    assert note.payload == b"pulled" and note.blocks.tolist() == [4, 5, 6]
+    assert_blocks_equal(lb, tb, [4, 5, 6], la, ta, [1, 2, 3])
+    assert_untouched(la, ta, [1, 2, 3])
+
+
+def test_a_read_whose_source_is_revoked_during_its_copy_is_refused_after_it(pair):
+    """The target revokes and rewrites the READ's source blocks after the notice came and before the
+    copy ran: the notice, checked once the slot says the copy ended, is refused (RevokedError), the
+    READ never ends DONE, nothing is delivered, and the target serves on."""
+    from xfer.errors import RevokedError
+
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    slowed(a, 0.4)
+    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"mixed")
+    time.sleep(0.15)
+    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    assert b.revoke([5], region="kv", timeout=2) >= 0
+    with pytest.raises(RevokedError):
+        t.wait()
+    assert t.poll() is TransferState.FAILED
+    assert b.notifications() == []
+    assert a.read(peer, [7], [8]).wait() is TransferState.DONE  # the target serves on
+    assert_blocks_equal(lb, tb, [7], la, ta, [8])
+    assert_untouched(la, ta, [1, 2, 3, 8])  # (the refused READ's blocks hold what it read: reported failed)
+
+
+def test_a_read_stopped_before_its_copy_ran_delivers_nothing(pair):
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    slowed(a, 0.3)
+    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"gone")
+    time.sleep(0.1)
+    t.cancel()
+    with pytest.raises(TransferCancelledError):
+        t.wait()
+    assert "noticed" in dict(t.marks)
+    time.sleep(0.2)
+    assert b.notifications() == []
+    assert_untouched(la, ta, [])  # nothing landed
+    assert a.read(peer, [4], [1]).wait() is TransferState.DONE
+    assert_blocks_equal(lb, tb, [4], la, ta, [1])
+
+
+def test_a_write_revoked_while_its_notice_waits_ends_revoked(pair):
+    """The target revokes the blocks of a write whose notice waits for its slot: the revoke returns
+    once the copy ended and the notice was refused; the write ends RevokedError (the notice's own
+    refusal, not a second notice's "no such grant"), and nothing is delivered."""
+    from xfer.errors import RevokedError
+
+    a, b, peer, (ta, la), (tb, lb) = pair
+    slowed(a, 0.4)
+    t = a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"revoked")
+    time.sleep(0.15)
+    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    assert b.revoke([5], region="kv", timeout=3) == 1
+    with pytest.raises(RevokedError):
+        t.wait()
+    assert b.notifications() == [] and len(b._grants) == 0
+    assert a.write(peer, [7], [8]).wait() is TransferState.DONE  # the target serves on
+    assert_blocks_equal(la, ta, [7], lb, tb, [8])
 
 def _dying_initiator(md: bytes, conn) -> None:
     """A child process: writes into the target with XFER_NOTICE_EARLY, its copy held back, says
@@ -190,23 +272,33 @@ def queued(agent, delay: float = 0.002):
     return tr
 
 
-def test_writes_after_a_lone_one_are_not_held_behind_its_landing_notice(pair):
-    """Launches that return at once (as ipc's): a lone WRITE's notice waits at the target for its
-    slot, while the writes posted after it finish their copies first and the completer waits on their
-    (usual) notices before it writes that slot. Landing notices go on a connection of their own, so
-    neither waits on the other: every write ends well before its deadline with its bytes."""
-    a, b, peer, (ta, la), (tb, lb) = pair
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_transfers_after_a_lone_one_are_not_held_behind_its_landing_notice(pair, op):
+    """Launches that return at once (as ipc's): a lone transfer's notice waits at the target for its
+    slot, while the transfers posted after it finish their copies first and the completer waits on
+    their (usual) notices before it writes that slot. Landing notices go on a connection of their
+    own, so neither waits on the other: every transfer ends well before its deadline with its bytes."""
+    a, b, peer, (ta, la), (tb, lb) = pair if op == "write" else _reading(pair)
     queued(a)
     start, noticed = time.monotonic(), 0
     for r in range(20):
         src = [(r + k) % 8 for k in range(8)]
-        ts = [a.write(peer, [s], [8 + k], timeout=3) for k, s in enumerate(src)]
+        if op == "write":
+            ts = [a.write(peer, [s], [8 + k], timeout=3) for k, s in enumerate(src)]
+        else:
+            ts = [a.read(peer, [s], [8 + k], timeout=3) for k, s in enumerate(src)]
         assert [t.wait() for t in ts] == [TransferState.DONE] * 8
-        assert_blocks_equal(la, ta, src, lb, tb, list(range(8, 16)))
+        if op == "write":
+            assert_blocks_equal(la, ta, src, lb, tb, list(range(8, 16)))
+        else:
+            assert_blocks_equal(lb, tb, src, la, ta, list(range(8, 16)))
         noticed += sum("noticed" in dict(t.marks) for t in ts)
     assert time.monotonic() - start < 5.0
     assert 0 < noticed < 160  # landing notices and usual ones, mixed
-    assert_untouched(lb, tb, list(range(8, 16)))
+    if op == "write":
+        assert_untouched(lb, tb, list(range(8, 16)))
+    else:
+        assert_untouched(la, ta, list(range(8, 16)))
     assert len(b._grants) == 0
 
 

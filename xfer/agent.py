@@ -177,7 +177,7 @@ class Agent:
             client.close()
             raise MetadataError(f"stale metadata for {md.name!r}: {md.control[0]}:{md.control[1]} is served by "
                                 f"agent {reply.get('agent_id')!r}, the metadata names {md.agent_id!r}")
-        if self.config.settings.onesided.notice_early:  # landing notices' own connection (completion)
+        if any(t.notices_early for t in self.transports.values()):  # landing notices' own connection
             try:
                 client.lane().open(deadline)
             except XferError:

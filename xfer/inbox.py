@@ -18,11 +18,12 @@ The one-sided transports' target side lives here too, on the control server's th
   before.
 - ``grant_end``: the initiator's transfers stopped or failed after their grants; their copies
   ended: the grants end, nothing is delivered.
-- a ``notify`` naming a ``landing`` slot (``XFER_NOTICE_EARLY``) came at its copy's launch: its
-  time is checked now, and its reply waits (``xfer.frames.Later``, polled by the control loop)
-  until the initiator writes the slot: then it is the notice above; the slot negated (the copy
-  stopped short) ends the grant, nothing delivered; nothing by the deadline: refused, the grant
-  left held (the initiator ends it once its copy ended). See xfer.transports.onesided.mailbox.
+- a ``notify`` naming a ``landing`` slot (``XFER_NOTICE_EARLY``) came at its copy's launch (a
+  WRITE's under its grant, or a READ's): its time is checked now, and its reply waits
+  (``xfer.frames.Later``, polled by the control loop) until the initiator writes the slot: then it
+  is the notice above (a READ's blocks checked then, after its copy ended); the slot negated (the
+  copy stopped short) ends the grant, nothing delivered; nothing by the deadline: refused, the
+  grant left held (the initiator ends it once its copy ended). See xfer.transports.onesided.mailbox.
 
 A batch's entries stand or fail one by one.
 """
@@ -218,11 +219,13 @@ class Inbox:
         return {"ok": True}
 
     def _landing(self, header: dict, payload: bytes) -> Later:
-        """A WRITE's notice sent at its copy's launch: checked now (its grant's sender, its slot, its
-        time), answered once the initiator wrote the slot (see the module doc)."""
+        """A WRITE's or a READ's notice sent at its copy's launch: checked now (its slot, its time),
+        answered once the initiator wrote the slot (see the module doc): a WRITE's grant and a READ's
+        blocks are checked then, after the copy ended."""
         landing, sender = header.get("landing"), header.get("from")
-        if not isinstance(landing, dict) or "grant" not in header:
-            raise InvalidArgumentError("a notice waiting for its landing names its grant and a landing slot")
+        if not isinstance(landing, dict) or ("grant" not in header and header.get("op") != Op.READ.value):
+            raise InvalidArgumentError("a notice waiting for its landing names a landing slot and its grant (a "
+                                       "READ's: its blocks)")
         slot, seq = landing.get("slot"), landing.get("seq")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq)) or not 0 <= slot < SLOTS \
                 or not 0 < seq < 1 << 62:
@@ -237,9 +240,10 @@ class Inbox:
             if word == seq:  # every byte landed
                 self.notice(header, entry, payload)
                 return {"ok": True}, b""
-            if word == -seq:  # the copy stopped short: its grant ends, nothing delivered
-                with self._grants.closing():
-                    self._grants.take_locked(entry["grant"], str(sender))
+            if word == -seq:  # the copy stopped short: its grant ends (a WRITE's), nothing delivered
+                if "grant" in entry:
+                    with self._grants.closing():
+                        self._grants.take_locked(entry["grant"], str(sender))
                 raise TransferCancelledError(f"{what}: its copy stopped before it completed; not delivered")
             if now > deadline:
                 raise TransferTimeoutError(f"{what}: its copy was not reported landed by the deadline; not "

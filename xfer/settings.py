@@ -84,11 +84,12 @@ KNOBS: tuple[Knob, ...] = (
          "ipc/local/NVSHMEM-direct: a READ's stream copy is launched by the posting thread when nothing posted "
          "earlier waits (saves a thread hand-off; a WRITE waits for its grant on the worker); off: the worker "
          "thread launches every copy"),
-    Knob("XFER_NOTICE_EARLY", "onesided", "notice_early", "bool", False, "",
+    Knob("XFER_NOTICE_EARLY", "onesided", "notice_early", "bool", None, "",
          "local/ipc: a lone WRITE's notice is sent at its copy's launch, naming a shared-memory landing slot the "
          "initiator writes once the copy ended; the target answers (delivers) once it reads it, so the notice's "
-         "round trip overlaps the copy (xfer.transports.onesided.mailbox); off by default: on an H100 a lone granted "
-         "seed-case write took 0.74 against 1.14-1.17 ms with it, but the ipc GPU tests have not run with it on yet"),
+         "round trip overlaps the copy (xfer.transports.onesided.mailbox); unset: on for ipc (its copies launch "
+         "on a stream; on an H100 a lone granted seed-case write took 0.74 against 1.14-1.17 ms), off for host "
+         "copies (local: the notice would leave before the copy)"),
     Knob("XFER_STAGE_IDS", "onesided", "stage_ids", "bool", True, "",
          "ipc/NVSHMEM-direct: a WRITE's stream copy is prepared while its grant request travels (peer tensors "
          "mapped, path chosen, the kernel's block ids uploaded), so the launch after the grant is the kernel's "
@@ -341,7 +342,7 @@ class OneSidedSettings:
     launch_inline: bool = True
     stage_ids: bool = True
     ask_inline: bool | None = None  # None: on for copies launched on a CUDA stream
-    notice_early: bool = False
+    notice_early: bool | None = None  # None: on where copies launch on a CUDA stream (ipc)
 
 
 @dataclass(frozen=True)

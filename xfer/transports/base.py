@@ -169,6 +169,7 @@ class Transport(ABC):
     """
 
     kind: ClassVar[TransportKind]
+    notices_early = False  # sends landing notices at a copy's launch: the agent opens each peer's lane at connect
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

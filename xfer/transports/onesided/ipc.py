@@ -61,6 +61,7 @@ class IpcTransport(OneSidedTransport):
     kind = TransportKind.IPC
     describe_copy = True  # Transfer.path: "ipc (copy: <CopyPath value>; <why>)"
     spin_wait = True  # its copies wait for nothing but the caller's stream
+    notice_early_default = True  # a lone WRITE's notice leaves at its launch (H100: 0.74 against 1.14-1.17 ms)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

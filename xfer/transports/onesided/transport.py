@@ -29,7 +29,7 @@ from abc import abstractmethod
 
 import torch
 
-from ...errors import PeerDisconnectedError, TransportError, XferError
+from ...errors import BlocksBusyError, NotRegisteredError, PeerDisconnectedError, RevokedError, TransportError, XferError
 from ...shm import pid_alive
 from ...transfer import Op, TransferState
 from ..base import Job, Transport
@@ -47,6 +47,9 @@ BATCH_MAX = 32  # transfers' notices in one control message
 # BATCH_MAX): the first copy waits for a small grant only, and each batch's grant travels while
 # the copies granted before it run (the peer checks and holds each transfer of a request in turn)
 RAMP_FIRST = 2
+# a landing notice's refusals by the notice's own checks, made once the slot was read: the target
+# ended its grant (a WRITE's), and a second notice would only be told the grant is gone
+_REFUSED_BY_CHECKS = (RevokedError, NotRegisteredError, BlocksBusyError)
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
 
 
@@ -64,6 +67,9 @@ class OneSidedTransport(Transport):
     # may wait on memory only this process's later work sets (NVSHMEM: with it, the two-PE
     # deadline test failed on the H200; with the poll it passed)
     spin_wait = False
+    # XFER_NOTICE_EARLY unset: whether a lone WRITE's notice leaves at its copy's launch (ipc: its
+    # copies launch on a stream and its peers take landing notices)
+    notice_early_default = False
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -82,8 +88,12 @@ class OneSidedTransport(Transport):
         # (host copies are prepared at launch)
         self.ask_inline = ctx.config.settings.onesided.ask_inline
         self.stage_ids = ctx.config.settings.onesided.stage_ids
-        # XFER_NOTICE_EARLY: a lone WRITE's notice leaves at its launch, naming a landing slot (mailbox)
-        self._box = Mailbox() if ctx.config.settings.onesided.notice_early else None
+        # XFER_NOTICE_EARLY: a lone WRITE's notice leaves at its launch, naming a landing slot (mailbox);
+        # None: where its copy launches on a CUDA stream (after the launch); on: host copies too (before it)
+        early = ctx.config.settings.onesided.notice_early
+        self.notices_early = self.notice_early_default if early is None else early
+        self._early_host = early is True
+        self._box = Mailbox() if self.notices_early else None
         self._landing: dict[str, tuple] = {}  # transfer id -> (slot, seq, client, pending): noticed at launch
         self._no_landing: set[str] = set()  # agent ids of peers whose landing notices fail (then the usual notice)
         self._cold: set[str] = set()  # agent ids of peers whose landing connection the completer opens next
@@ -324,7 +334,7 @@ class OneSidedTransport(Transport):
         now: :meth:`_early`; before a host copy, after a stream copy's launch)."""
         job.started = time.monotonic()
         job.transfer.mark("started")
-        early = self._early(job) if self._box is not None and not self._launches_async(job) else None
+        early = self._early(job) if self._early_host and not self._launches_async(job) else None
         try:
             event = self._launch(job, prep)
             job.transfer.mark("launched")
@@ -340,11 +350,13 @@ class OneSidedTransport(Transport):
             self._fail(job, exc)
 
     def _early(self, job: Job):
-        """Send a lone granted WRITE's notice now, naming a landing slot, so that it travels while
-        the copy runs (XFER_NOTICE_EARLY): (slot, seq, client, pending), or None: the notice goes
-        once the copy ended, as any other (the peer does not take landing notices, every slot is
-        taken, the channel is busy, or other transfers wait for the completer)."""
-        if job.op is not Op.WRITE or job.grant is None or not self._line.empty() or \
+        """Send a lone granted WRITE's or a lone READ's notice now, naming a landing slot, so that
+        it travels while the copy runs (XFER_NOTICE_EARLY): (slot, seq, client, pending), or None:
+        the notice goes once the copy ended, as any other (the peer does not take landing notices,
+        every slot is taken, the channel is busy, or other transfers wait for the completer). A
+        READ's notice is checked (nothing it read was written or revoked since its copy began) when
+        the peer reads the slot, after the copy ended, as the usual notice is when it comes."""
+        if not (job.op is Op.READ or (job.op is Op.WRITE and job.grant is not None)) or not self._line.empty() or \
                 not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing") or \
                 job.peer.metadata.agent_id in self._no_landing:
             return None
@@ -394,8 +406,13 @@ class OneSidedTransport(Transport):
             job.transfer.mark("acked")
             job.transfer.complete()
             return
-        # refused (a peer that cannot map the slot's segment, e.g. no common /dev/shm; revoked; late):
-        # the notice again, the usual way, now that the copy ended; its own checks decide
+        if isinstance(refused, _REFUSED_BY_CHECKS):  # its own checks refused it (revoked, written; a grant
+            job.transfer.mark("acked")  # ended): the usual notice would be refused the same way
+            job.transfer.fail(refused)
+            self._line.wake()
+            return
+        # refused otherwise (a peer that cannot map the slot's segment, e.g. no common /dev/shm; late;
+        # the reply lost): the notice again, the usual way, now that the copy ended; its checks decide
         complete_notified([job], self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
         if job.transfer.poll() is TransferState.DONE:  # the slot is what failed: no more of them to this peer
             self._no_landing.add(job.peer.metadata.agent_id)
