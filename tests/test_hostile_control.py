@@ -215,6 +215,10 @@ def test_case7_a_captured_notify_is_invalid_at_another_agent_and_on_another_conn
     b = Victim("b", KIND, DIMS, secret=SECRET)
     c = Victim("c", KIND, DIMS, secret=SECRET)
     try:
+        from xfer.settings import reload
+
+        monkeypatch.setenv("XFER_CONTROL_UNIX", "0")  # the tap sees TCP: what crosses a network
+        reload()
         tap = _Tap(monkeypatch)
         expected = legit_write(KIND, DIMS, b.metadata, secret=SECRET, src=(1, 2), dst=(3, 4))
         assert_victim_holds(b, expected, (3, 4))

@@ -77,6 +77,10 @@ def test_bad_field_types_and_layouts(blob):
         (lambda d: d["regions"]["kv"]["layout"].update(slot_offset=[0]), "slot tables"),
         (lambda d: d["regions"]["kv"]["layout"].update(tensor_numel=[1, 1]), "spans elements"),
         (lambda d: d["transports"].update(local=5), "info must be an object"),
+        (lambda d: d.update(control_unix="/tmp/xfer.sock"), "control_unix must be an xfer control socket"),
+        (lambda d: d.update(control_unix="xfer-ctl-" + "0" * 23), "control_unix must be an xfer control socket"),
+        (lambda d: d.update(control_unix="xfer-ctl-" + "A" * 24), "control_unix must be an xfer control socket"),
+        (lambda d: d.update(control_unix=["xfer-ctl-" + "0" * 24]), "control_unix must be an xfer control socket"),
     ]:
         d = json.loads(json.dumps(good))
         mutate(d)

@@ -147,7 +147,7 @@ class Agent:
                        for n, r in self._regions.items()}
         return md_codec.encode(auth=self._auth, md=AgentMetadata(
             name=self.name, agent_id=self.agent_id, pid=os.getpid(), hostname=socket.gethostname(),
-            host_id=self._host_id, control=self.address,
+            host_id=self._host_id, control=self.address, control_unix=self._server.unix_name,
             transports={k.value: t.info() for k, t in self.transports.items()}, regions=regions))
 
     def connect(self, peer_metadata: bytes) -> str:
@@ -165,7 +165,9 @@ class Agent:
         client = ControlClient(md.control, md.name, self.config.connect_timeout_s, auth=self._auth,
                                identity=(self.agent_id, self.name), peer_id=md.agent_id,
                                max_header=self.config.settings.control.max_header,
-                               spin_s=self.config.settings.control.spin_us * 1e-6)
+                               spin_s=self.config.settings.control.spin_us * 1e-6,
+                               unix=md.control_unix if md.host_id == self._host_id and
+                               self.config.settings.control.unix else None)
         deadline = time.monotonic() + self.config.connect_timeout_s
         reply, _ = client.request({"type": "hello", "from": self.name, "agent_id": self.agent_id}, deadline=deadline)
         try:

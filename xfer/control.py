@@ -26,8 +26,10 @@ import hmac
 import json
 import logging
 import resource
+import secrets
 import selectors
 import socket
+import sys
 import threading
 import time
 from typing import Callable
@@ -54,6 +56,7 @@ _HELLO, _PROOF, _READY = 0, 1, 2
 _READ_BYTES = 256 << 10
 _ACCEPT_PAUSE_S = 0.2
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+UNIX_HOST = "unix"  # the peer address its connections count under (max_conns_per_host)
 
 
 class _Peer:
@@ -94,7 +97,12 @@ class ControlServer:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
-        self._sel.register(self._sock, selectors.EVENT_READ, "listen")
+        # peers on this host: an abstract Unix socket of a random name (published in the metadata; a
+        # round trip ~half loopback TCP's). Another network namespace cannot reach it: those use TCP
+        self._unix, self.unix_name = self._bind_unix() if self.limits.unix else (None, None)
+        self._listeners = [(self._sock, "listen")] + ([(self._unix, "listen-unix")] if self._unix else [])
+        for lsock, data in self._listeners:
+            self._sel.register(lsock, selectors.EVENT_READ, data)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._peers: dict[_Peer, None] = {}
         self._pending: dict[_Peer, None] = {}  # still in their handshake, oldest first
@@ -105,6 +113,24 @@ class ControlServer:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"xfer-control-{self.address[1]}", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _bind_unix() -> tuple[socket.socket | None, str | None]:
+        """(a listening abstract Unix socket, its name), or (None, None) where there is none (not
+        Linux, or refused: then peers use TCP alone)."""
+        if not sys.platform.startswith("linux"):
+            return None, None
+        name = f"xfer-ctl-{secrets.token_hex(12)}"  # (xfer.metadata.UNIX_NAME)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            log.debug("no Unix control socket (%s): peers on this host use TCP", exc)
+            return None, None
+        return sock, name
 
     def close(self) -> None:
         if self._closed:
@@ -117,8 +143,9 @@ class ControlServer:
         self._thread.join(timeout=5)
         for p in list(self._peers):
             p.sock.close()
-        for s in (self._sock, self._wake_r, self._wake_w):
-            s.close()
+        for s in (self._sock, self._unix, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
         self._sel.close()
 
     @property
@@ -144,7 +171,9 @@ class ControlServer:
                     if key.data == "wake":
                         return
                     if key.data == "listen":
-                        self._accept()
+                        self._accept(self._sock, None)
+                    elif key.data == "listen-unix":
+                        self._accept(self._unix, UNIX_HOST)
                     elif key.data in self._peers:
                         self._serve(key.data, mask)
                         busy = time.monotonic()
@@ -153,7 +182,8 @@ class ControlServer:
                 now = time.monotonic()
                 if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0
-                    self._sel.register(self._sock, selectors.EVENT_READ, "listen")
+                    for lsock, data in self._listeners:
+                        self._sel.register(lsock, selectors.EVENT_READ, data)
                 if now >= next_check:
                     next_check = now + 0.1
                     self._expire(now)
@@ -171,10 +201,11 @@ class ControlServer:
             self._drop(p, "error", f"error while serving it: {exc!r}"[:300])
 
     # ---- connections -------------------------------------------------------------------------
-    def _accept(self) -> None:
+    def _accept(self, lsock: socket.socket, host: str | None) -> None:
+        """Accept what waits on ``lsock``; ``host``: the address its peers count under (None: theirs)."""
         for _ in range(64):  # a burst at a time: the established peers are served in between
             try:
-                sock, addr = self._sock.accept()
+                sock, addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -184,7 +215,7 @@ class ControlServer:
                     self._evict_pending(None)
                     self._pause_accepts()
                 return  # ECONNABORTED and the like: that one is gone
-            self._admit(sock, addr[0] if isinstance(addr, tuple) else str(addr))
+            self._admit(sock, host if host is not None else addr[0] if isinstance(addr, tuple) else str(addr))
 
     def _admit(self, sock: socket.socket, host: str) -> None:
         lim = self.limits
@@ -201,7 +232,8 @@ class ControlServer:
             sock.close()
             return
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         p = _Peer(sock, host, time.monotonic())
         self._peers[p] = None
         self._pending[p] = None
@@ -219,7 +251,8 @@ class ControlServer:
 
     def _pause_accepts(self) -> None:
         if not self._accept_paused_until:
-            self._sel.unregister(self._sock)
+            for lsock, _ in self._listeners:
+                self._sel.unregister(lsock)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
 
     def _drop(self, p: _Peer, reason: str | None, why: str = "") -> None:

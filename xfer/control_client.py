@@ -72,12 +72,15 @@ class Pending:
 
 class ControlClient:
     """``identity``: (agent id, name) of this side; ``peer_id``: the agent id the peer's metadata
-    names (the handshake fails with :class:`MetadataError` if another agent answers)."""
+    names (the handshake fails with :class:`MetadataError` if another agent answers); ``unix``: the
+    name of the peer's abstract Unix socket (a peer on this host), tried before ``address``: where
+    nothing listens on it (another network namespace) the client uses TCP from then on."""
 
     def __init__(self, address: tuple[str, int], peer: str, connect_timeout: float, auth=None, *,
                  identity: tuple[str, str] = ("", "?"), peer_id: str | None = None, max_header: int = 1 << 20,
-                 spin_s: float = 0.0):
+                 spin_s: float = 0.0, unix: str | None = None):
         self.address, self.peer, self._connect_timeout, self._auth = address, peer, connect_timeout, auth
+        self.unix = unix
         self._id, self._name = identity
         self._peer_id, self._max_header = peer_id, max_header
         self._spin_s = spin_s  # a reply is polled for this long before the reader sleeps in recv
@@ -104,6 +107,10 @@ class ControlClient:
         self._args = (address, peer, connect_timeout, auth, dict(identity=identity, peer_id=peer_id,
                                                                  max_header=max_header, spin_s=spin_s))
 
+    def _args_now(self) -> tuple:
+        address, peer, connect_timeout, auth, kw = self._args
+        return address, peer, connect_timeout, auth, {**kw, "unix": self.unix}
+
     def lane(self) -> "ControlClient":
         """A second connection to the same peer, made once and closed with this one, for requests
         whose reply may wait long (the peer reads no further request of a connection before it
@@ -111,7 +118,7 @@ class ControlClient:
         Opened by its first blocking request or by :meth:`open`."""
         with self._lane_lock:  # (not the sending lock: a send may wait for a connect)
             if self._lane is None:
-                address, peer, connect_timeout, auth, kw = self._args
+                address, peer, connect_timeout, auth, kw = self._args_now()
                 self._lane = ControlClient(address, peer, connect_timeout, auth, **kw)
                 if self._closed:
                     self._lane.close()
@@ -222,7 +229,8 @@ class ControlClient:
         self._cv.notify_all()
 
     def _where(self) -> str:
-        return f"peer {self.peer!r} at {self.address[0]}:{self.address[1]}"
+        via = " (its Unix socket)" if self.unix is not None else ""
+        return f"peer {self.peer!r} at {self.address[0]}:{self.address[1]}{via}"
 
     def request(self, header: dict, payload: bytes = b"", *, deadline: float) -> tuple[dict, bytes]:
         """Send one frame and return the reply, by ``deadline`` (``time.monotonic`` seconds)."""
@@ -404,8 +412,10 @@ class ControlClient:
         left = min(self._connect_timeout, deadline - time.monotonic())
         if left <= 0:
             raise socket.timeout()
-        self._sock = socket.create_connection(self.address, timeout=left)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = self._connect_unix(left) if self.unix is not None else None
+        if self._sock is None:
+            self._sock = socket.create_connection(self.address, timeout=left)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._settimeout(deadline)
         hello = frames.parse_hello(frames.hello_body(self._id, self._name, self._peer_id, self._auth is not None,
                                                      new_nonce()))
@@ -436,6 +446,22 @@ class ControlClient:
             old.close()
         self._proof = frames.frame(Kind.PROOF, frames.client_proof(key, transcript, welcome.proof))
         self._idle_s = max(welcome.idle_s - 1.0, welcome.idle_s * 0.5)
+
+    def _connect_unix(self, timeout: float) -> socket.socket | None:
+        """A connection to the peer's abstract Unix socket, or None where nothing listens there
+        (another network namespace, a peer gone): then TCP, now and for later connections."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect("\0" + self.unix)
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            self.unix = None
+            return None
+        except BaseException:
+            sock.close()
+            raise
 
     def _prefix(self, deadline: float) -> tuple[int, int, int, int, bytes]:
         """The next frame's (kind, header length, payload length, seq, MAC); a REJECT is raised."""

@@ -8,6 +8,7 @@ Decoding checks every field's type and raises :class:`MetadataError` naming what
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ MAGIC = b"XFMD"
 VERSION = 1
 _HEADER = struct.Struct("!4sHII")
 MAX_METADATA_BYTES = 64 << 20
+UNIX_NAME = re.compile(r"xfer-ctl-[0-9a-f]{24}")  # a control server's abstract Unix socket (control_unix)
 MAX_DEPTH = 16  # agent -> regions -> region -> exports -> transport -> descriptor: 5 today
 
 
@@ -48,13 +50,17 @@ class AgentMetadata:
     control: tuple[str, int]
     transports: dict = field(default_factory=dict)  # kind value -> info dict
     regions: dict = field(default_factory=dict)  # region name -> RegionRecord
+    control_unix: str | None = None  # the control server's abstract Unix socket, for peers on this host
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "name": self.name, "agent_id": self.agent_id, "pid": self.pid, "hostname": self.hostname,
             "host_id": self.host_id, "control": list(self.control), "transports": self.transports,
             "regions": {k: r.to_dict() for k, r in self.regions.items()},
         }
+        if self.control_unix is not None:
+            d["control_unix"] = self.control_unix
+        return d
 
 
 def encode(md: AgentMetadata, auth=None) -> bytes:
@@ -117,6 +123,9 @@ def decode(blob: bytes, auth=None) -> AgentMetadata:
     for kind, info in transports.items():
         if not isinstance(info, dict):
             raise MetadataError(f"metadata transport {kind!r} info must be an object")
+    unix = d.get("control_unix")
+    if unix is not None and not (isinstance(unix, str) and UNIX_NAME.fullmatch(unix)):
+        raise MetadataError(f"metadata agent.control_unix must be an xfer control socket name, got {unix!r}"[:200])
     agent_id = _need(d, "agent_id", str, "agent")
     if not 0 < len(agent_id.encode()) <= 32:
         raise MetadataError(f"metadata agent.agent_id must be 1..32 bytes, got {agent_id[:40]!r}")
@@ -124,5 +133,5 @@ def decode(blob: bytes, auth=None) -> AgentMetadata:
         name=_need(d, "name", str, "agent"), agent_id=agent_id,
         pid=_need(d, "pid", int, "agent"), hostname=_need(d, "hostname", str, "agent"),
         host_id=_need(d, "host_id", str, "agent"), control=(control[0], control[1]),
-        transports=transports, regions=regions,
+        transports=transports, regions=regions, control_unix=unix,
     )
