@@ -68,8 +68,9 @@ KNOBS: tuple[Knob, ...] = (
          "an idle VM core, on every round trip of a lone transfer); 0: off"),
     Knob("XFER_CONTROL_UNIX", "control", "unix", "bool", True, "",
          "peers on this host (the same host id) reach the control server over an abstract Unix socket whose random "
-         "name the metadata publishes, instead of loopback TCP (a raw round trip 32-36 us against 60-73 us on the "
-         "2-core CPU VM); a peer that cannot reach it (another network namespace) uses TCP; off: TCP only"),
+         "name the metadata publishes, instead of loopback TCP (one control round trip 102-113 us against 118-120 us "
+         "on the 2-core CPU VM, bench/control_rtt.py); a peer that cannot reach it (another network namespace) uses "
+         "TCP; off: TCP only"),
     Knob("XFER_FENCE_GRACE_S", "fence", "grace_s", "float", 1.0, "s",
          "a stopping transfer waits this long for its peer's confirmation (ucx: that it dropped the flow; local, "
          "ipc: the reply to its last notice) before ucx closes the connection to end the flow's receives"),
