@@ -98,7 +98,7 @@ class ControlServer:
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         # peers on this host: an abstract Unix socket of a random name (published in the metadata; a
-        # round trip ~half loopback TCP's). Another network namespace cannot reach it: those use TCP
+        # raw round trip ~half loopback TCP's). Another network namespace cannot reach it: those use TCP
         self._unix, self.unix_name = self._bind_unix() if self.limits.unix else (None, None)
         self._listeners = [(self._sock, "listen")] + ([(self._unix, "listen-unix")] if self._unix else [])
         for lsock, data in self._listeners:
