@@ -382,8 +382,12 @@ def main(argv=None) -> dict:
             if any(digest != block_digests(layout, tensors, s) for (digest, _), s in zip(got, srcs)):
                 raise SystemExit("ipc bench: a back-to-back burst left bytes that differ from the source")
 
+            read_tls = []
+
             def pull():
-                agent.read(peer, dst, src).wait()
+                t = agent.read(peer, dst, src)
+                t.wait()
+                read_tls.append(t.timeline())
 
             target.call("drain")
             ms, p99 = median_ms(one, args.iters)
@@ -450,6 +454,8 @@ def main(argv=None) -> dict:
                                                rows[0]["ms"])
             ms, p99 = median_ms(pull, args.iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
+            read_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in read_tls[-args.iters:])
+                           for k in read_tls[-1]}
             target.call("drain")
             if args.pull_burst:
                 rows += pull_bursts(agent, peer, target, layout, tensors, srcs, sets, args.iters, args.window)
@@ -486,6 +492,7 @@ def main(argv=None) -> dict:
                      "switch_interval_ms": args.switch_interval_ms or 5.0, "ramp": args.ramp or None,
                      "notice_early": args.notice_early},
         "write_timeline_ms": phases,
+        "read_timeline_ms": read_phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
         **({"burst_timeline": burst_phases} if args.burst_timeline else {}),
         **({"peer_ceiling": ceiling} if ceiling is not None else {}),
@@ -501,6 +508,8 @@ def main(argv=None) -> dict:
     if args.ahead:
         print("one write granted ahead, median ms from the call to each phase: "
               + ", ".join(f"{k} {v:.3f}" for k, v in ahead_phases.items()))
+    print("one read, median ms from its creation to each phase: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in read_phases.items()))
     print(f"path of the verified write: {transfer_path}")
     if ceiling is not None:
         print(f"peer ceiling (peer access {ceiling.get('peer_access')}): " + ("; ".join(
