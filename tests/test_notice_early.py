@@ -27,18 +27,42 @@ def pair(monkeypatch):
     yield from local_pair("early", seed=3)
 
 
-def test_the_notice_leaves_at_the_launch_and_is_delivered_only_after_the_bytes_landed(pair):
-    a, b, peer, (ta, la), (tb, lb) = pair
-    slowed(a, 0.3)
-    t = a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"req-1")
-    time.sleep(0.15)  # the notice is at the target, the copy not begun
+def _held(a, post, delay=0.3, settle=0.15):
+    """``post()`` with ``a``'s copies held ``delay`` s: the transfer, once its notice left and its
+    copy has not begun."""
+    slowed(a, delay)
+    t = post()
+    time.sleep(settle)  # the notice is at the target, the copy not begun
     assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    return t
+
+
+def _delivered_after_the_copy(a, b, post, payload: bytes, peer_blocks: list[int]):
+    """A held transfer's notice is at the target before its copy; the target delivers it only
+    after the copy, naming its blocks and payload."""
+    t = _held(a, post)
     assert b.notifications() == []
     assert t.wait() is TransferState.DONE
     tl = t.timeline()
     assert tl["noticed"] < tl["launched"] < tl["copied"] <= tl["acked"]
     note = b.wait_notification(2)
-    assert note.payload == b"req-1" and note.blocks.tolist() == [4, 5, 6]
+    assert note.payload == payload and note.blocks.tolist() == peer_blocks
+
+
+def _cancelled_before_the_copy(a, b, post) -> None:
+    """A held transfer cancelled after its notice left: it ends CANCELLED, nothing is delivered."""
+    t = _held(a, post, settle=0.1)
+    t.cancel()
+    with pytest.raises(TransferCancelledError):
+        t.wait()
+    time.sleep(0.2)
+    assert b.notifications() == []
+
+
+def test_the_notice_leaves_at_the_launch_and_is_delivered_only_after_the_bytes_landed(pair):
+    a, b, peer, (ta, la), (tb, lb) = pair
+    _delivered_after_the_copy(a, b, lambda: a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"req-1"), b"req-1",
+                              [4, 5, 6])
     assert_blocks_equal(la, ta, [1, 2, 3], lb, tb, [4, 5, 6])
     assert_untouched(lb, tb, [4, 5, 6])
     assert len(b._grants) == 0
@@ -49,18 +73,10 @@ def test_the_notice_leaves_at_the_launch_and_is_delivered_only_after_the_bytes_l
 
 def test_a_copy_stopped_before_it_ran_delivers_nothing_and_ends_its_grant(pair):
     a, b, peer, (ta, la), (tb, lb) = pair
-    slowed(a, 0.3)
-    t = a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"gone")
-    time.sleep(0.1)
-    t.cancel()
-    with pytest.raises(TransferCancelledError):
-        t.wait()
-    assert "noticed" in dict(t.marks)
-    time.sleep(0.2)
-    assert b.notifications() == [] and len(b._grants) == 0
+    _cancelled_before_the_copy(a, b, lambda: a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"gone"))
+    assert len(b._grants) == 0
     assert_untouched(lb, tb, [])  # nothing landed
     assert a.write(peer, [1, 2, 3], [4, 5, 6]).wait() is TransferState.DONE  # the blocks are free again
-
 
 
 def _reading(pair):
@@ -75,16 +91,8 @@ def test_a_lone_reads_notice_leaves_at_the_launch_and_is_checked_after_its_copy(
     """A READ's notice names its blocks and the copy's start: it leaves before the (held) copy, is
     delivered only after the initiator wrote its slot, and the initiator's blocks hold the peer's."""
     a, b, peer, (ta, la), (tb, lb) = _reading(pair)
-    slowed(a, 0.3)
-    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"pulled")
-    time.sleep(0.15)  # the notice is at the target, the copy not begun
-    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
-    assert b.notifications() == []
-    assert t.wait() is TransferState.DONE
-    tl = t.timeline()
-    assert tl["noticed"] < tl["launched"] < tl["copied"] <= tl["acked"]
-    note = b.wait_notification(2)
-    assert note.payload == b"pulled" and note.blocks.tolist() == [4, 5, 6]
+    _delivered_after_the_copy(a, b, lambda: a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"pulled"), b"pulled",
+                              [4, 5, 6])
     assert_blocks_equal(lb, tb, [4, 5, 6], la, ta, [1, 2, 3])
     assert_untouched(la, ta, [1, 2, 3])
 
@@ -96,10 +104,7 @@ def test_a_read_whose_source_is_revoked_during_its_copy_is_refused_after_it(pair
     from xfer.errors import RevokedError
 
     a, b, peer, (ta, la), (tb, lb) = _reading(pair)
-    slowed(a, 0.4)
-    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"mixed")
-    time.sleep(0.15)
-    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    t = _held(a, lambda: a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"mixed"), delay=0.4)
     assert b.revoke([5], region="kv", timeout=2) >= 0
     with pytest.raises(RevokedError):
         t.wait()
@@ -112,15 +117,7 @@ def test_a_read_whose_source_is_revoked_during_its_copy_is_refused_after_it(pair
 
 def test_a_read_stopped_before_its_copy_ran_delivers_nothing(pair):
     a, b, peer, (ta, la), (tb, lb) = _reading(pair)
-    slowed(a, 0.3)
-    t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"gone")
-    time.sleep(0.1)
-    t.cancel()
-    with pytest.raises(TransferCancelledError):
-        t.wait()
-    assert "noticed" in dict(t.marks)
-    time.sleep(0.2)
-    assert b.notifications() == []
+    _cancelled_before_the_copy(a, b, lambda: a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"gone"))
     assert_untouched(la, ta, [])  # nothing landed
     assert a.read(peer, [4], [1]).wait() is TransferState.DONE
     assert_blocks_equal(lb, tb, [4], la, ta, [1])
@@ -133,16 +130,14 @@ def test_a_write_revoked_while_its_notice_waits_ends_revoked(pair):
     from xfer.errors import RevokedError
 
     a, b, peer, (ta, la), (tb, lb) = pair
-    slowed(a, 0.4)
-    t = a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"revoked")
-    time.sleep(0.15)
-    assert "noticed" in dict(t.marks) and "launched" not in dict(t.marks)
+    t = _held(a, lambda: a.write(peer, [1, 2, 3], [4, 5, 6], notify=b"revoked"), delay=0.4)
     assert b.revoke([5], region="kv", timeout=3) == 1
     with pytest.raises(RevokedError):
         t.wait()
     assert b.notifications() == [] and len(b._grants) == 0
     assert a.write(peer, [7], [8]).wait() is TransferState.DONE  # the target serves on
     assert_blocks_equal(la, ta, [7], lb, tb, [8])
+
 
 def _dying_initiator(md: bytes, conn) -> None:
     """A child process: writes into the target with XFER_NOTICE_EARLY, its copy held back, says
