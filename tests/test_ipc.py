@@ -87,6 +87,38 @@ def test_peer_liveness_sees_a_killed_unreaped_process():
     assert not shm.pid_alive(proc.pid)
 
 
+def test_peer_liveness_checked_from_several_threads_at_once():
+    """Launches to one peer check it from several threads (the poster's inline launch, the worker,
+    a copy's own thread): each check polls the cached pidfd with a poll object of its own (one
+    object polled by two threads at once raises RuntimeError, which failed the transfer)."""
+    import subprocess
+    import threading
+
+    from xfer import shm
+
+    proc = subprocess.Popen(["sleep", "30"])
+    errors, stop = [], time.monotonic() + 1.0
+
+    def check():
+        try:
+            while time.monotonic() < stop:
+                for _ in range(200):
+                    assert shm.pid_alive(proc.pid)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    try:
+        assert shm.pid_alive(proc.pid)  # (cached from here)
+        threads = [threading.Thread(target=check) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert errors == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on machines without a GPU")
 def test_without_cuda_ipc_is_unavailable_and_says_why():
     with Agent("x") as a:

@@ -44,8 +44,8 @@ def _reap_stale() -> None:
                 pass
 
 
-_PIDFDS: dict[int, tuple[int, object]] = {}  # pid -> (pidfd, its poll object), for processes found alive
-# (peers are checked before every launch: one poll(0) then, no object built)
+_PIDFDS: dict[int, tuple[int]] = {}  # pid -> (its pidfd,), for processes found alive (a tuple: replaced whole)
+# (peers are checked before every launch: one poll(0) of the pidfd then)
 _PIDFDS_MAX = 64
 _PIDFDS_LOCK = threading.Lock()  # not _lock: segments are reaped (pid_alive) under _lock
 
@@ -64,16 +64,18 @@ def pid_alive(pid: int) -> bool:
                 fd = os.pidfd_open(pid)
             except OSError:
                 return alive
-            poller = select.poll()  # not select.select: it refuses fds above 1023 (UCX opens many)
-            poller.register(fd, select.POLLIN)
             with _PIDFDS_LOCK:
                 if pid in _PIDFDS or len(_PIDFDS) >= _PIDFDS_MAX:
                     os.close(fd)
                 else:
-                    _PIDFDS[pid] = (fd, poller)
+                    _PIDFDS[pid] = (fd,)
             return _pid_alive_proc(pid)  # it may have ended between the two looks
         return alive
-    fd, poller = hit
+    fd = hit[0]
+    # a poll object per call: one object polled by two threads at once raises RuntimeError
+    # ("concurrent poll() invocation"; launches to one peer check it from several threads)
+    poller = select.poll()  # not select.select: it refuses fds above 1023 (UCX opens many)
+    poller.register(fd, select.POLLIN)
     if not poller.poll(0):  # (a pidfd another thread closed reads POLLNVAL: its process ended too)
         return True
     with _PIDFDS_LOCK:  # readable: the process has ended
