@@ -301,16 +301,66 @@ class ControlClient:
             try:
                 self._read_until(p, gen, sock, deadline)
             finally:
-                with self._cv:
-                    self._reading = False
-                    if self._waiting:
-                        self._cv.notify_all()
-                    stale, self._stale = self._stale, []
-                for old in stale:  # closed connections' reading sockets: no reader is in them now
-                    old.close()
+                self._stop_reading()
         if p.error is not None:
             raise p.error
         return p.reply
+
+    def poll_reply(self, p: Pending) -> bool:
+        """Whether ``p``'s reply is in, after reading what the connection holds now (never waiting;
+        nothing read where another thread reads it: that one hands ``p`` its reply)."""
+        if p.done:
+            return True
+        with self._cv:
+            if self._reading:
+                return False
+            self._reading = True
+            gen, sock = self._gen, self._rsock
+        try:
+            if sock is not None:
+                self._read_until(p, gen, sock, 0.0, wait=False)
+        finally:
+            self._stop_reading()
+        return p.done
+
+    def wait_reply(self, p: Pending, until: float) -> None:
+        """Wait until ``p``'s reply is in, bytes of a reply wait on the connection, or ``until``
+        (``time.monotonic``) passed; reads nothing, so that another thread may take the reply (see
+        ``OneSidedTransport._help``). Looks again every ms (every 20 ms after the first 50): a
+        reader that started meanwhile hands ``p`` its reply without a wake-up for this waiter."""
+        begun = time.monotonic()
+        while not p.done:
+            now = time.monotonic()
+            left = until - now
+            if left <= 0:
+                return
+            step = 0.001 if now - begun < 0.05 else 0.02
+            with self._cv:
+                if self._reading:  # another thread reads: it hands the reply over and notifies
+                    self._waiting += 1
+                    try:
+                        self._cv.wait(min(left, step))
+                    finally:
+                        self._waiting -= 1
+                    continue
+                sock = self._rsock
+            if sock is None:  # (between connections: a reset fails or salvages every request)
+                time.sleep(min(left, step))
+                continue
+            try:
+                if _ready(sock, select.POLLIN, min(left, step)):
+                    return
+            except (OSError, ValueError):  # (closed meanwhile: the reader is told)
+                return
+
+    def _stop_reading(self) -> None:
+        with self._cv:
+            self._reading = False
+            if self._waiting:
+                self._cv.notify_all()
+            stale, self._stale = self._stale, []
+        for old in stale:  # closed connections' reading sockets: no reader is in them now
+            old.close()
 
     def _give_up(self, p: Pending):
         """(under ``_cv``) ``p``'s waiter reached its deadline: its reply is dropped when it comes."""
@@ -318,28 +368,35 @@ class ControlClient:
         self._abandoned += 1
         raise TransferTimeoutError(f"no reply from {self._where()} by the deadline")
 
-    def _read_until(self, p: Pending, gen: int, sock, deadline: float) -> None:
+    def _read_until(self, p: Pending, gen: int, sock, deadline: float, wait: bool = True) -> None:
         """Read replies (handing each to its request) until ``p`` has one, the deadline passed
         (nothing lost: bytes read stay buffered) or the stream broke (every request fails).
-        ``sock``: the connection's reading socket (its own timeout: senders set theirs)."""
+        ``sock``: the connection's reading socket (its own timeout: senders set theirs).
+        ``wait`` False: only what the connection holds now (the deadline is not looked at)."""
         size = frames.PREFIX.size
         try:
             while not p.done:
                 if len(self._buf) >= size and self._take_frames(gen):
                     continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                if sock is None:  # (a reset between; its requests are failed)
-                    time.sleep(min(left, 0.001))
-                    return
-                data = _spin_recv(sock, min(self._spin_s, left)) if self._spin_s else None
-                if data is None:
-                    sock.settimeout(left)
+                if not wait:
                     try:
-                        data = sock.recv(1 << 16)
-                    except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
-                        continue
+                        data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        return
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    if sock is None:  # (a reset between; its requests are failed)
+                        time.sleep(min(left, 0.001))
+                        return
+                    data = _spin_recv(sock, min(self._spin_s, left)) if self._spin_s else None
+                    if data is None:
+                        sock.settimeout(left)
+                        try:
+                            data = sock.recv(1 << 16)
+                        except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
+                            continue
                 if not data:
                     raise ConnectionError("connection closed by peer")
                 with self._cv:
