@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 
 import numpy as np
 import torch
@@ -194,8 +196,6 @@ def local_pair(prefix: str, seed: int, dims=DIMS_TINY):
 
 def slowed(agent, delay: float, before=None):
     """The agent's one-sided host copies start ``delay`` seconds late (``before(job)`` runs first)."""
-    import time
-
     tr = next(iter(agent.transports.values()))
     real = tr._launch
 
@@ -205,4 +205,31 @@ def slowed(agent, delay: float, before=None):
         time.sleep(delay)
         return real(job, prep)
     tr._launch = launch
+    return tr
+
+
+class _Queued:
+    """A stream launch's event, for a host copy run on a thread: the launch returns at once."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    def query(self) -> bool:
+        return not self.thread.is_alive()
+
+    def synchronize(self) -> None:
+        self.thread.join()
+
+
+def queued(agent, delay: float = 0.002):
+    """The agent's copies launch as a stream copy does (ipc on a GPU): the launch returns an event
+    at once, the bytes land ``delay`` seconds later, and the notice of a lone WRITE leaves after the launch."""
+    tr = next(iter(agent.transports.values()))
+    real = tr._launch
+
+    def launch(job, prep=None):
+        th = threading.Thread(target=lambda: (time.sleep(delay), real(job, prep)))
+        th.start()
+        return _Queued(th)
+    tr._launch, tr._launches_async, tr.spin_wait = launch, (lambda job: True), True
     return tr

@@ -8,12 +8,12 @@ the destination bytes (moved blocks the source's, every other byte still poisone
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from helpers import DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, poison, slowed
+from helpers import (DIMS_TINY as DIMS, assert_blocks_equal, assert_untouched, fill_random, local_pair, poison, queued,
+                     slowed)
 from xfer import Agent, AgentConfig, make_kv_cache, shared_empty
 from xfer.errors import InvalidArgumentError, TransferCancelledError
 from xfer.transfer import TransferState
@@ -238,33 +238,6 @@ def test_a_target_that_cannot_map_the_slot_gets_the_usual_notice_and_no_more_lan
     assert_blocks_equal(la, ta, [1, 2, 3, 7], lb, tb, [4, 5, 6, 8])
     assert_untouched(lb, tb, [4, 5, 6, 8])
     assert len(b._grants) == 0
-
-
-class _Queued:
-    """A stream launch's event, for a host copy run on a thread: the launch returns at once."""
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-
-    def query(self) -> bool:
-        return not self.thread.is_alive()
-
-    def synchronize(self) -> None:
-        self.thread.join()
-
-
-def queued(agent, delay: float = 0.002):
-    """The agent's copies launch as a stream copy does (ipc on a GPU): the launch returns an event
-    at once, the bytes land ``delay`` seconds later, and the notice of a lone WRITE leaves after the launch."""
-    tr = next(iter(agent.transports.values()))
-    real = tr._launch
-
-    def launch(job, prep=None):
-        th = threading.Thread(target=lambda: (time.sleep(delay), real(job, prep)))
-        th.start()
-        return _Queued(th)
-    tr._launch, tr._launches_async, tr.spin_wait = launch, (lambda job: True), True
-    return tr
 
 
 @pytest.mark.parametrize("op", ["write", "read"])

@@ -12,8 +12,11 @@ peer's tensors, the path; for one kernel launch, its block ids uploaded to the d
 launches them: queued on a CUDA stream (a launch returns at once), or run on the
 host in chunks, checking between chunks for a stop (cancel, deadline) and the peer's liveness. The
 control channel takes several requests in flight (xfer.control_client), so the next jobs' grant
-request leaves before this batch's copies launch. A WRITE refused at its grant releases what its
-preparation took; nothing of it moved. A completer thread waits for each job's copy, then notifies the peer (several
+request leaves before this batch's copies launch. The pipeline moves in turns (take the jobs queued,
+ask for their grants, launch the batch granted before), each taken by the worker or, while an
+engine posts a burst on a stream-copy transport, by the posting thread whose post came when one was
+due: that thread holds the GIL, and the worker would wait for it at each send and launch. A WRITE
+refused at its grant releases what its preparation took; nothing of it moved. A completer thread waits for each job's copy, then notifies the peer (several
 jobs to one peer in one message under load); a lone job's caller blocked in ``wait()`` does that
 itself instead (xfer.transports.onesided.line). A stopped job is fenced once its copy ended (the
 chunk in flight, or the kernels queued on the stream); it then ends its grant at the peer (retried
@@ -21,8 +24,8 @@ until the peer hears it) and reports the stop."""
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import threading
 import time
 from abc import abstractmethod
@@ -51,6 +54,7 @@ RAMP_FIRST = 2
 # ended its grant (a WRITE's), and a second notice would only be told the grant is gone
 _REFUSED_BY_CHECKS = (RevokedError, NotRegisteredError, BlocksBusyError)
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
+_HELP_WAIT_S = 0.001  # the longest a post waits for the worker's turn to end (XFER_POST_TURNS)
 
 
 class OneSidedTransport(Transport):
@@ -73,14 +77,23 @@ class OneSidedTransport(Transport):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (C: a put wakes the worker only if it sleeps)
+        # (job, its grant request or None), posted and not taken by a turn yet (under _order; _work: one came)
+        self._jobs: collections.deque = collections.deque()
         self._mapped: dict[tuple[str, str], list[torch.Tensor]] = {}  # (peer agent id, region) -> tensors
         # a local region's checked copies to and from a peer region (xfer.kernels.BoundCopy) live on
         # the local region (its state), under (this kind, peer agent id, peer region, is a write)
         self._key = self.kind.value
         self._closed = False
         self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
+        self._work = threading.Condition(self._order)  # the worker waits on it for a job or the close
         self._queued = 0  # jobs handed to the worker and not launched (or ended) yet (under _order)
+        # the pipeline's turns (:meth:`_turn`) are taken under _turns, by the worker or a posting thread
+        self._turns = threading.Lock()
+        self._ahead = None  # the batch whose grant requests are out, launched by the next turn
+        self._cap = RAMP_FIRST  # the next batch's size: a burst starts small (see RAMP_FIRST)
+        # XFER_POST_TURNS: a post behind others takes the pipeline's turns itself (launches the copies
+        # granted meanwhile, asks for the next), where its copy launches on a CUDA stream
+        self._post_turns = ctx.config.settings.onesided.post_turns
         # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread
         self._inline = ctx.config.settings.onesided.launch_inline
         # XFER_ASK_INLINE: a lone WRITE's grant request sent by the posting thread (None: where its copy
@@ -123,10 +136,16 @@ class OneSidedTransport(Transport):
 
     def post(self, job: Job) -> None:
         job.transfer.assist = self._assist  # a caller blocked in wait() may finish it (see line.py)
+        if self._queue(job) and self._post_turns and self._launches_async(job):
+            self._help()
+
+    def _queue(self, job: Job) -> bool:
+        """:meth:`post`'s work: launch ``job``'s copy here or queue it for the pipeline; True where
+        it was queued behind others (a burst)."""
         with self._order:
             if self._closed:
                 self._fail(job, TransportError(f"{self.kind.value} transport is closed"))
-                return
+                return False
             # a READ waits for no grant, nor a WRITE granted ahead (xfer.ahead): its stream copy is
             # launched here when nothing posted earlier waits to launch (a launch is asynchronous; a
             # hand-off to the worker costs a wake-up)
@@ -135,17 +154,35 @@ class OneSidedTransport(Transport):
                 t = job.transfer
                 if t.cancel_requested:
                     self._fail(job, t.error)
-                    return
+                    return False
                 t.begin()
                 self._start(job)
-                return
+                return False
             # (ask_inline) a WRITE when nothing waits before it: its grant request leaves now
             # (one send, no wait), so the worker's wake-up and the copy's preparation overlap the round trip
             lone = self._inline and self.ask_inline is not False and job.op is Op.WRITE and job.grant is None and \
                 self._queued == 0 and (self.ask_inline or self._launches_async(job))
             ask = self._ask_now(job) if lone else None
             self._queued += 1
-            self._jobs.put((job, ask))
+            self._jobs.append((job, ask))
+            self._work.notify()
+            return self._queued > 1
+
+    def _help(self) -> None:
+        """(a posting thread, holding no lock) Take the pipeline's turn that is due now: launch the
+        copies whose grants came, ask for the jobs queued. A thread that runs Python without
+        blocking (an engine posting a burst) keeps the GIL from the worker: each of the worker's
+        sends, launches and waits would cost it a GIL switch (5 ms) while this thread posts, and on
+        a GPU host the first copy launched only after the last post (bench/results/
+        2026-12-07-h100-c24-burst-handoff.md). Where the worker is taking a turn, waits for it
+        :data:`_HELP_WAIT_S` at most (the GIL released: the worker ends its turn without waiting for
+        this thread; a post never waits longer); takes none whose grant replies have not come."""
+        if not self._turns.acquire(timeout=_HELP_WAIT_S):
+            return
+        try:
+            self._turn(wait=False)
+        finally:
+            self._turns.release()
 
     def _ask_now(self, job: Job):
         """Send ``job``'s grant request from the posting thread where the channel takes it without
@@ -183,16 +220,13 @@ class OneSidedTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-        self._jobs.put(None)
+            self._work.notify_all()
         self._worker.join(timeout=10)
         self._completer.join(timeout=10)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:  # (the worker took every job before it ended: none was asked for)
-                job[0].transfer.fail(TransportError(f"{self.kind.value} transport closed"))
+        with self._order:
+            left, self._jobs = list(self._jobs), collections.deque()
+        for job, _ in left:  # (the worker took every job before it ended: none was asked for)
+            job.transfer.fail(TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
         for region in self.ctx.regions():
             self.release_region(region)
@@ -211,47 +245,77 @@ class OneSidedTransport(Transport):
                                         f"reports no block complete")
 
     def _run(self) -> None:
-        """Worker: take the posted jobs in order (every one queued now), ask each peer for their
-        grants in one message and prepare their copies while the replies travel, then launch the
-        granted jobs' copies and hand them to the completer, so the copy of one transfer overlaps
-        the completion round trip of the previous one. Pipelined: the next jobs' grant requests
-        leave before this batch's copies launch (their round trip overlaps this batch's wait and
-        launch)."""
-        ahead = None  # a batch whose grant requests are out, to launch next
-        cap = RAMP_FIRST
+        """Worker: wait (the GIL released) for a job, or for the grant replies of the batch ahead,
+        then take the pipeline's turn (:meth:`_turn`); a posting thread takes the turns that come
+        due while it posts (:meth:`_help`). Ends once the transport closed and every job ended."""
         while True:
-            if ahead is None:  # nothing granted waits to launch: a burst starts with a small batch
-                cap = RAMP_FIRST
-            items, last = self._take(block=ahead is None, cap=cap)
-            if items:
-                cap = min(2 * cap, BATCH_MAX)
-            batch = self._ask(items) if items else None
-            if ahead is not None:
-                self._go(ahead)
-            ahead = batch
-            if last:
-                if ahead is not None:
-                    self._go(ahead)
-                self._line.put(None)
-                return
+            wait = self._await_turn()
+            with self._turns:
+                if self._turn(wait):
+                    self._line.put(None)
+                    return
 
-    def _take(self, block: bool, cap: int = BATCH_MAX) -> tuple[list, bool]:
-        """(the jobs queued now, in order, at most ``cap``; whether the transport closes after
-        them). ``block``: wait for the first one."""
-        try:
-            first = self._jobs.get() if block else self._jobs.get_nowait()
-        except queue.Empty:
-            return [], False
-        items = [first]
-        while items[-1] is not None and len(items) < cap:
-            try:
-                items.append(self._jobs.get_nowait())
-            except queue.Empty:
-                break
-        if items[-1] is None:
-            items.pop()
-            return items, True
-        return items, False
+    def _await_turn(self) -> bool:
+        """(worker, no lock held) Return once a turn may be due: a job queued with nothing ahead,
+        the close, or the batch ahead's grant replies in or their bytes waiting to be read. True:
+        the turn waits for the replies (a request's deadline passed: it fails them; or a peer whose
+        channel takes one request at a time, sent when awaited)."""
+        ahead = self._ahead
+        if ahead is None:
+            with self._order:
+                while not self._jobs and not self._closed and self._ahead is None:
+                    self._work.wait()
+                ahead = self._ahead
+            if ahead is None:
+                return False
+        for _, ask in ahead[1]:
+            if isinstance(ask, BaseException):
+                continue
+            if ask.pending is None:
+                return True
+            if not ask.pending.done:
+                ask.client.wait_reply(ask.pending, ask.deadline)
+                return time.monotonic() >= ask.deadline  # (one wake-up: the turn looks at the others)
+        return False
+
+    def _turn(self, wait: bool) -> bool:
+        """(under ``_turns``) One step of the pipeline: take the jobs queued now (at most the ramp's
+        batch), send each peer the grant request of their WRITEs and prepare their copies, then
+        launch the batch ahead's granted copies, so the next batch's round trip overlaps this
+        batch's launch and copies. ``wait`` False: nothing where the batch ahead's grant replies are
+        not in yet (a posting thread's turn; the worker's while their bytes are on their way).
+        True once the transport closed and every job ended."""
+        ahead = self._ahead
+        if ahead is not None and not self._granted(ahead, wait):
+            return False
+        with self._order:
+            if ahead is None:  # nothing granted waits to launch: a burst starts with a small batch
+                self._cap = RAMP_FIRST
+            items = [self._jobs.popleft() for _ in range(min(self._cap, len(self._jobs)))]
+            last = self._closed and not self._jobs
+        if items:
+            self._cap = min(2 * self._cap, BATCH_MAX)
+        batch = self._ask(items) if items else None
+        if ahead is not None:
+            self._go(ahead)
+        self._ahead = batch
+        if batch is not None:
+            with self._order:  # a worker waiting for a job (it saw none ahead) now waits for these replies
+                self._work.notify()
+        return last and batch is None
+
+    @staticmethod
+    def _granted(batch: tuple, wait: bool) -> bool:
+        """Whether every grant reply of ``batch`` is in (read now where it waits on its connection);
+        ``wait``: True (the turn waits for those that are not)."""
+        if wait:
+            return True
+        for _, ask in batch[1]:
+            if isinstance(ask, BaseException):
+                continue
+            if ask.pending is None or not ask.client.poll_reply(ask.pending):
+                return False
+        return True
 
     def _ask(self, items: list) -> tuple:
         """Begin the jobs of ``items`` ((job, its grant request or None)), send each peer the grant
