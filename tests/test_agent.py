@@ -702,3 +702,38 @@ def test_back_to_back_writes_of_one_initiator_over_the_same_blocks_need_no_windo
     assert [x.payload for x in pair.b.notifications()] == [b"%d" % i for i in range(24)]
     assert sum(asks) == 24 and len(asks) < 24, asks  # queued writes asked together
     assert len(pair.b._grants) == 0
+
+
+@pytest.mark.parametrize("peer_takes", [64 << 10, None, 8], ids=["packed", "older-peer", "over-its-limit"])
+def test_grant_requests_pack_their_ids_where_the_peer_takes_them(pair, monkeypatch, peer_takes):
+    """A grant request's block ids travel packed in its payload (int64, ``nblocks`` per transfer)
+    where the peer's transport info says it takes that many payload bytes (``grant_packed``), else
+    as JSON lists (a peer of an older version; ids that would pass its payload limit): either way
+    every write lands byte for byte."""
+    from xfer.transports.onesided import transport as onesided
+
+    seen, real = [], onesided.ask_grants
+
+    def spy(jobs, *args, **kw):
+        ask = real(jobs, *args, **kw)
+        if ask is not None:
+            seen.append(([sorted(e) for e in ask.header["transfers"]], len(ask.payload), sum(len(j.peer_ids) for j in jobs)))
+        return ask
+    monkeypatch.setattr(onesided, "ask_grants", spy)
+    info = pair.a._peers[pair.peer].metadata.transports["local"]
+    assert info["grant_packed"] == pair.b.config.max_notify_bytes
+    if peer_takes is None:
+        info.pop("grant_packed")
+    else:
+        info["grant_packed"] = peer_takes
+    src, dst = [[1, 2], [3], [4, 5, 6]], [[0, 7], [2], [6, 5, 3]]
+    ts = [pair.a.write(pair.peer, s, d) for s, d in zip(src, dst)]
+    assert [t.wait() for t in ts] == [TransferState.DONE] * 3
+    flat_src, flat_dst = [b for s in src for b in s], [b for d in dst for b in d]
+    assert_blocks_equal(pair.la, pair.ta, flat_src, pair.lb, pair.tb, flat_dst)
+    assert_untouched(pair.lb, pair.tb, flat_dst)
+    assert seen
+    for keys, payload, nids in seen:
+        packed = peer_takes is not None and 8 * nids <= peer_takes
+        assert all(("nblocks" in k) is packed and ("blocks" in k) is not packed for k in keys), keys
+        assert payload == (8 * nids if packed else 0)

@@ -246,3 +246,54 @@ def test_case7_a_captured_notify_is_invalid_at_another_agent_and_on_another_conn
     finally:
         b.close()
         c.close()
+
+
+# ---- grant requests: block ids as JSON lists or packed in the payload ---------------------------------
+def test_malformed_grant_requests_are_refused_typed_and_the_port_keeps_serving(victim):
+    """A peer's grant request names each transfer's blocks as a JSON list (``blocks``) or packed in
+    the payload as little-endian int64 (``nblocks`` each). Counts that do not add up to the payload,
+    a payload no transfer names, counts that are not non-negative integers: the whole request is
+    refused, typed, before any id is read. Ids out of range, repeated or not integers: that
+    transfer is refused, typed, and holds nothing. A well-formed packed request is granted. The
+    victim serves on: a legitimate write lands afterwards, byte for byte."""
+    from hostile_helpers import RawControl
+
+    layout = md_codec.decode(victim.metadata).regions["kv"].layout
+    n = DIMS["num_blocks"]
+
+    def grant(c, payload=b"", **fields):
+        e = {"transfer_id": "m-1", "op": "write", "region": "kv", "fingerprint": layout.fingerprint_hash(),
+             "ttl": 5.0, "sent": time.monotonic(), **fields}
+        return c.request({"type": "grant", "from": "mallory", "pid": 1, "host": "elsewhere", "transfers": [e]},
+                         payload)
+
+    q = lambda *ids: struct.pack(f"<{len(ids)}q", *ids)  # noqa: E731
+    with RawControl(_control(victim)) as c:
+        c.handshake()
+        for payload, fields, why in [
+                (q(1, 2), {"nblocks": 3}, "do not add up"),
+                (q(1, 2, 3), {"nblocks": 2}, "do not add up"),
+                (b"", {"nblocks": -1}, "do not add up"),
+                (q(1, 2), {"nblocks": "2"}, "do not add up"),
+                (q(1, 2)[:-1], {"nblocks": 1}, "do not add up"),
+                (q(1), {"blocks": [1]}, "names no packed block ids")]:
+            reply = grant(c, payload, **fields)
+            assert reply.get("ok") is False and reply["error"] == "InvalidArgumentError", (fields, reply)
+            assert why in reply["message"], (fields, reply)
+        for payload, fields, why in [
+                (q(1, n), {"nblocks": 2}, f"contain id {n}"),
+                (q(-3), {"nblocks": 1}, "negative id -3"),
+                (q(3, 3), {"nblocks": 2}, "repeat id 3"),
+                (b"", {"blocks": [n + 5]}, f"contain id {n + 5}"),
+                (b"", {"blocks": [[1, 2]]}, "must be 1-D"),
+                (b"", {"blocks": ["x"]}, "malformed grant request")]:
+            reply = grant(c, payload, **fields)
+            assert reply.get("ok") is True and not reply["grants"], (fields, reply)
+            failed = reply["failed"]["0"]
+            assert failed["error"] in ("BlockIdError", "InvalidArgumentError") and why in failed["message"], \
+                (fields, failed)
+        reply = grant(c, q(9, 10), nblocks=2)  # well formed: granted, then ended
+        assert reply.get("ok") is True and list(reply["grants"]) == ["0"] and not reply["failed"], reply
+        ended = c.request({"type": "grant_end", "from": "mallory", "grants": [reply["grants"]["0"]]})
+        assert ended.get("ok") is True, ended
+    _healthy(victim)

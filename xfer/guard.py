@@ -4,6 +4,8 @@
   (bad UTF-8, bad JSON, a nesting deep enough to exhaust the parser's recursion, a value of the
   wrong type) is one :class:`~xfer.errors.InvalidArgumentError` naming it. Nothing a peer sends
   raises anything else from here.
+- :func:`packed_ids`: block ids a request carries packed in its payload, read only once the counts
+  its header names add up to the payload's size.
 - :class:`Rejections`: the warnings a listener logs when it rejects a peer, rate-limited (a token
   bucket per listener) so that an attacker cannot flood the log; what was suppressed is counted
   and summarised in the next line that gets through, and every rejection is counted by reason
@@ -22,9 +24,11 @@ import socket
 import threading
 import time
 
+import numpy as np
+
 from .errors import InvalidArgumentError
 
-__all__ = ["loads", "depth", "Rejections", "MAX_DEPTH", "beyond_loopback", "warn_if_exposed"]
+__all__ = ["loads", "depth", "Rejections", "MAX_DEPTH", "beyond_loopback", "warn_if_exposed", "PACKED_IDS", "packed_ids"]
 
 MAX_DEPTH = 8  # a control header nests 3 deep (a batch of notices with block lists); a layout 2
 
@@ -92,6 +96,34 @@ class Rejections:
         if held:
             fmt += f" ({held} more rejections not logged since the last line: rate limit)"
         self.log.warning(f"{self.what}: {fmt}", *args)
+
+
+# a request's block ids sent packed in its payload (a grant's, ``grant_packed``): little-endian int64
+PACKED_IDS = np.dtype("<i8")
+
+
+def packed_ids(entries: list, payload: bytes, what: str) -> list[np.ndarray] | None:
+    """The block ids of each of ``entries`` (dicts) where they travel packed in ``payload``: entry i
+    names how many are its (``nblocks``), in order. None where no entry names any (the ids are in
+    the entries, ``blocks``). Raises InvalidArgumentError, before anything is read, where the counts
+    are not non-negative integers adding up to the payload's size."""
+    counts = [e.get("nblocks") for e in entries]
+    if all(n is None for n in counts):
+        if payload:
+            raise InvalidArgumentError(f"{what} carries {len(payload)} payload bytes and names no packed block ids")
+        return None
+    if not all(_int(n) and n >= 0 for n in counts) or sum(counts) * PACKED_IDS.itemsize != len(payload):
+        raise InvalidArgumentError(f"{what}'s packed block id counts {counts[:8]} do not add up to its "
+                                   f"{len(payload)} payload bytes"[:300])
+    out, off = [], 0
+    for n in counts:
+        out.append(np.frombuffer(payload, dtype=PACKED_IDS, count=n, offset=off).astype(np.int64))
+        off += n * PACKED_IDS.itemsize
+    return out
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def beyond_loopback(host: str) -> bool:

@@ -42,6 +42,7 @@ from .errors import (BlocksBusyError, InvalidArgumentError, NotRegisteredError, 
                      TransferTimeoutError,
                      XferError)
 from .frames import Later
+from .guard import packed_ids
 from .transfer import Notification, Op
 from .transports.incoming import ClockFloor, check_request, check_time, check_ttl, local_deadline
 from .transports.onesided.mailbox import SLOTS, Boxes
@@ -65,7 +66,7 @@ class Inbox:
     def handle(self, kind, header: dict, payload: bytes) -> dict | None:
         """The reply to a control message this inbox answers, or None when it is not one of them."""
         if kind == "grant":
-            return self.on_grant(header)
+            return self.on_grant(header, payload)
         if kind == "notify":
             return self.on_notify(header, payload)
         if kind == "notify_batch":
@@ -131,12 +132,14 @@ class Inbox:
             floor = self._floors[who] = ClockFloor(0.0 if who[2] == self._host else None, now)
         return floor.delay(float(sent), time.monotonic())
 
-    def on_grant(self, header: dict) -> dict:
+    def on_grant(self, header: dict, payload: bytes = b"") -> dict:
         """Check and hold each transfer of a ``grant`` request; ``grants``: index -> id, ``failed``:
-        index -> error."""
+        index -> error. Block ids: each transfer's ``blocks``, or packed in ``payload`` (``nblocks``
+        each; see ``xfer.guard.packed_ids``)."""
         entries = header.get("transfers")
         if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
             raise InvalidArgumentError("grant carries no list of transfers")
+        packed = packed_ids(entries, payload, "a grant request")
         sender, pid, host = str(header.get("from")), header.get("pid"), header.get("host")
         pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
         granted, failed = {}, {}
@@ -146,7 +149,8 @@ class Inbox:
                 if op is Op.MESSAGE:
                     raise InvalidArgumentError("a grant is for a WRITE or a READ")
                 what = f"transfer {e.get('transfer_id')} from {sender!r}"
-                region, ids = check_request(self._regions, region=e.get("region"), op=op, ids=e.get("blocks"),
+                region, ids = check_request(self._regions, region=e.get("region"), op=op,
+                                            ids=e.get("blocks") if packed is None else packed[i],
                                             what="granted block ids", agent=f"agent {self.name!r}", initiator=sender,
                                             fingerprint=e.get("fingerprint"))
                 local_deadline(e.get("ttl"), self._late(header, e, what), time.monotonic(), what=what)

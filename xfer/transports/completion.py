@@ -28,8 +28,11 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from .. import errors
 from ..error_codec import reply_error
+from ..guard import PACKED_IDS
 from .base import Job
 
 __all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
@@ -136,10 +139,11 @@ class GrantAsk:
     ``pending``: the control client's pending reply (the request is sent); None where the peer's
     channel takes one request at a time (then it is sent when awaited)."""
 
-    __slots__ = ("jobs", "header", "deadline", "client", "pending")
+    __slots__ = ("jobs", "header", "payload", "deadline", "client", "pending")
 
-    def __init__(self, jobs: list[Job], header: dict, deadline: float, client=None, pending=None):
-        self.jobs, self.header, self.deadline, self.client, self.pending = jobs, header, deadline, client, pending
+    def __init__(self, jobs: list[Job], header: dict, payload: bytes, deadline: float, client=None, pending=None):
+        self.jobs, self.header, self.payload, self.deadline = jobs, header, payload, deadline
+        self.client, self.pending = client, pending
 
 
 def _pipelined(peer):
@@ -148,22 +152,34 @@ def _pipelined(peer):
     return client if callable(getattr(client, "submit", None)) else None
 
 
-def ask_grants(jobs: list[Job], sender: str, host: str, *, block: bool = True) -> GrantAsk | None:
+def ask_grants(jobs: list[Job], sender: str, host: str, *, block: bool = True, packed: int = 0) -> GrantAsk | None:
     """Send the grant request of ``jobs`` (one peer, ``jobs[0].peer``; one message) and return at
     once; :func:`await_grants` takes the reply. ``block`` False: None where it cannot be sent
-    without waiting (the channel busy or not connected yet), nothing sent. Raises when sending failed
+    without waiting (the channel busy or not connected yet), nothing sent. ``packed``: the most
+    payload bytes the peer takes (its transport info's ``grant_packed``; 0: none): where the ids fit,
+    they travel as little-endian int64 in the message's payload, each transfer naming how many are
+    its (``nblocks``), not as JSON lists (on the CPU VM the encoding, parsing and checking of a
+    burst's 32 transfers of 128 ids took 0.67-0.73 ms so, against 1.18-1.19). Raises when sending failed
     (then nothing was granted)."""
     now = time.monotonic()
-    header = {"type": "grant", **_who(sender, host), "transfers": [
-        {"transfer_id": j.transfer.id, "op": j.op.value, "region": j.peer_region.name,
-         "blocks": j.peer_ids.tolist(), "fingerprint": _fingerprint(j.peer_region.layout),
-         "ttl": max(j.transfer.deadline - now, 0.0), "sent": now} for j in jobs]}
+    packed = packed and PACKED_IDS.itemsize * sum(len(j.peer_ids) for j in jobs) <= packed
+    entries = []
+    for j in jobs:
+        e = {"transfer_id": j.transfer.id, "op": j.op.value, "region": j.peer_region.name,
+             "fingerprint": _fingerprint(j.peer_region.layout), "ttl": max(j.transfer.deadline - now, 0.0), "sent": now}
+        if packed:
+            e["nblocks"] = len(j.peer_ids)
+        else:
+            e["blocks"] = j.peer_ids.tolist()
+        entries.append(e)
+    header = {"type": "grant", **_who(sender, host), "transfers": entries}
+    payload = b"".join(np.asarray(j.peer_ids, dtype=PACKED_IDS).tobytes() for j in jobs) if packed else b""
     deadline = min(j.transfer.deadline for j in jobs)
     client = _pipelined(jobs[0].peer)
     if client is None:
-        return GrantAsk(jobs, header, deadline) if block else None
-    pending = client.submit(header, deadline=deadline, block=block)
-    return None if pending is None else GrantAsk(jobs, header, deadline, client, pending)
+        return GrantAsk(jobs, header, payload, deadline) if block else None
+    pending = client.submit(header, payload, deadline=deadline, block=block)
+    return None if pending is None else GrantAsk(jobs, header, payload, deadline, client, pending)
 
 
 def await_grants(ask: GrantAsk) -> list[errors.XferError | None]:
@@ -172,7 +188,7 @@ def await_grants(ask: GrantAsk) -> list[errors.XferError | None]:
     :func:`end_grants` by transfer id ends it)."""
     jobs = ask.jobs
     if ask.pending is None:
-        reply, _ = jobs[0].peer.request(ask.header, deadline=ask.deadline)
+        reply, _ = jobs[0].peer.request(ask.header, ask.payload, deadline=ask.deadline)
     else:
         reply, _ = ask.client.result(ask.pending, ask.deadline)
     name = jobs[0].peer.name

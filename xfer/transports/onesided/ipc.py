@@ -77,7 +77,7 @@ class IpcTransport(OneSidedTransport):
     def info(self) -> dict:
         return {"host_id": self.ctx.host_id, "pid": os.getpid(), "gpus": sorted(self._local_uuids),
                 "notify_batch": True,
-                "landing": True}
+                "landing": True, "grant_packed": self.ctx.config.max_notify_bytes}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         if region.device.type != "cuda":

@@ -28,7 +28,8 @@ class LocalTransport(OneSidedTransport):
     kind = TransportKind.LOCAL
 
     def info(self) -> dict:
-        return {"host_id": self.ctx.host_id, "pid": os.getpid(), "notify_batch": True, "landing": True}
+        return {"host_id": self.ctx.host_id, "pid": os.getpid(), "notify_batch": True, "landing": True,
+                "grant_packed": self.ctx.config.max_notify_bytes}
 
     def export_region(self, region: LocalRegion) -> dict | None:
         with _IN_PROCESS_LOCK:

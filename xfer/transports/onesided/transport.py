@@ -190,12 +190,18 @@ class OneSidedTransport(Transport):
         if job.transfer.cancel_requested:
             return None
         try:
-            ask = ask_grants([job], self.ctx.agent_name, self.ctx.host_id, block=False)
+            ask = ask_grants([job], self.ctx.agent_name, self.ctx.host_id, block=False, packed=self._packs(job))
         except BaseException as exc:  # noqa: BLE001 - reported by the worker, with the grant ended by id
             return exc
         if ask is not None:
             job.transfer.mark("asked")
         return ask
+
+    def _packs(self, job: Job) -> int:
+        """The most payload bytes ``job``'s peer takes in a grant request whose block ids travel packed
+        (its transport info's ``grant_packed``); 0: it takes them as JSON lists only."""
+        limit = (job.peer.metadata.transports.get(self.kind.value) or {}).get("grant_packed")
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
 
     def _launches_async(self, job: Job) -> bool:
         """Whether the job's copy is queued on a stream (a launch returns at once) rather than run here."""
@@ -341,7 +347,8 @@ class OneSidedTransport(Transport):
         for group in by_peer.values():
             try:
                 self._check_alive(group[0])
-                asks.append((group, ask_grants(group, self.ctx.agent_name, self.ctx.host_id)))
+                asks.append((group, ask_grants(group, self.ctx.agent_name, self.ctx.host_id,
+                                               packed=self._packs(group[0]))))
                 for job in group:
                     job.transfer.mark("asked")
             except BaseException as exc:  # noqa: BLE001 - the message failed: maybe granted, its reply lost
