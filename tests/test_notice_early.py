@@ -3,8 +3,12 @@
 The target checks the notice when it comes and answers it only once the initiator wrote its
 landing slot: delivered after every byte landed, never before; a copy stopped short delivers
 nothing and ends its grant; a slot never written is refused by the deadline with nothing
-delivered; malformed landing fields are refused, typed, and the target serves on. Each case checks
-the destination bytes (moved blocks the source's, every other byte still poisoned)."""
+delivered; malformed landing fields are refused, typed, and the target serves on. A READ is
+checked by its initiator against the target's busy counts (xfer.transports.onesided.readcheck):
+it ends without waiting for the target's answer, refused when the target wrote, held for writing,
+revoked or deregistered its blocks while it copied; a target whose counts cannot be mapped checks
+the notice itself, as before. Each case checks the destination bytes (moved blocks the source's,
+every other byte still poisoned)."""
 
 from __future__ import annotations
 
@@ -37,14 +41,16 @@ def _held(a, post, delay=0.3, settle=0.15):
     return t
 
 
-def _delivered_after_the_copy(a, b, post, payload: bytes, peer_blocks: list[int]):
+def _delivered_after_the_copy(a, b, post, payload: bytes, peer_blocks: list[int], last: str = "acked"):
     """A held transfer's notice is at the target before its copy; the target delivers it only
-    after the copy, naming its blocks and payload."""
+    after the copy, naming its blocks and payload. ``last``: the transfer's last mark (acked: the
+    target's answer; checked: a READ's own check)."""
     t = _held(a, post)
     assert b.notifications() == []
     assert t.wait() is TransferState.DONE
     tl = t.timeline()
-    assert tl["noticed"] < tl["launched"] < tl["copied"] <= tl["acked"]
+    assert tl["noticed"] < tl["launched"] < tl["copied"] <= tl[last]
+    assert ("checked" in tl) == (last == "checked") and ("acked" in tl) == (last == "acked")
     note = b.wait_notification(2)
     assert note.payload == payload and note.blocks.tolist() == peer_blocks
 
@@ -92,7 +98,108 @@ def test_a_lone_reads_notice_leaves_at_the_launch_and_is_checked_after_its_copy(
     delivered only after the initiator wrote its slot, and the initiator's blocks hold the peer's."""
     a, b, peer, (ta, la), (tb, lb) = _reading(pair)
     _delivered_after_the_copy(a, b, lambda: a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"pulled"), b"pulled",
-                              [4, 5, 6])
+                              [4, 5, 6], last="checked")
+    assert_blocks_equal(lb, tb, [4, 5, 6], la, ta, [1, 2, 3])
+    assert_untouched(la, ta, [1, 2, 3])
+
+
+def _tables(a):
+    return next(iter(a.transports.values()))
+
+
+def test_a_lone_read_ends_on_its_own_check_before_the_target_answers(pair):
+    """The target's delivery of a READ's notice is held (its control loop busy): the READ still ends
+    DONE once its copy ended and its own check passed, with the bytes; the target delivers the
+    notice once it is free, and the landing slot is given back once its answer is taken."""
+    import threading
+
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    gate, inside = threading.Event(), threading.Event()
+    real = b._inbox.notice
+
+    def held_notice(header, entry, payload):
+        inside.set()
+        assert gate.wait(10)
+        return real(header, entry, payload)
+    b._inbox.notice = held_notice
+    try:
+        t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"early")
+        assert t.wait(timeout=3) is TransferState.DONE
+        assert inside.wait(2) and b.notifications() == []  # the target has not delivered it yet
+        tl = t.timeline()
+        assert "checked" in tl and "acked" not in tl
+        assert_blocks_equal(lb, tb, [4, 5, 6], la, ta, [1, 2, 3])
+        assert_untouched(la, ta, [1, 2, 3])
+    finally:
+        gate.set()
+    note = b.wait_notification(2)
+    assert note.payload == b"early" and note.blocks.tolist() == [4, 5, 6]
+    tr = _tables(a)
+    end = time.monotonic() + 2
+    while tr._unacked and time.monotonic() < end:  # the answer is taken by the next sweep
+        time.sleep(0.01)
+        tr._sweep()
+    assert not tr._unacked and len(tr._box._free) == 1024
+    assert a.read(peer, [7], [8]).wait() is TransferState.DONE
+    assert_blocks_equal(lb, tb, [7], la, ta, [8])
+
+
+@pytest.mark.parametrize("change", ["held", "written", "deregistered"])
+def test_a_read_whose_source_changes_during_its_copy_is_refused_by_its_own_check(pair, change):
+    """While a held READ's copy waits: the target holds some of its blocks for a write (held), or
+    holds and ends such a hold (written: a write landed), or deregisters the region. The READ's own
+    check refuses it (BlocksBusyError, RevokedError), nothing is delivered, the target serves on."""
+    from xfer.errors import BlocksBusyError, RevokedError
+
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    assert a.read(peer, [9], [10]).wait() is TransferState.DONE  # the peer's region mapped here
+    assert b.wait_notification(2).blocks.tolist() == [9]
+    t = _held(a, lambda: a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"mixed"), delay=0.4)
+    region = b._regions["kv"]
+    if change == "deregistered":
+        b.deregister("kv")
+    else:
+        import numpy as np
+
+        hold = b._grants.hold(region, np.array([5]), writes=True, peer="writer", tid="w1", owner="writer")
+        if change == "written":
+            b._grants.end(hold)
+    with pytest.raises(RevokedError if change == "deregistered" else BlocksBusyError):
+        t.wait()
+    assert "checked" in t.timeline() and t.poll() is TransferState.FAILED
+    time.sleep(0.2)
+    assert b.notifications() == []
+    if change == "held":
+        b._grants.end(hold)
+    if change != "deregistered":
+        assert a.read(peer, [7], [8]).wait() is TransferState.DONE  # the target serves on
+        assert_blocks_equal(lb, tb, [7], la, ta, [8])
+    assert_untouched(la, ta, [1, 2, 3, 8, 10] if change != "deregistered" else [1, 2, 3, 10])
+
+
+@pytest.mark.parametrize("bad", ["other-pid", "wrong-size", "not-a-name", "missing"])
+def test_a_read_from_a_target_whose_busy_counts_cannot_be_mapped_is_checked_by_the_target(pair, bad):
+    """The target's published busy segment names another process's segment, one of another size,
+    no segment, or is absent: the READ's notice is checked on the target's side, as before (the
+    READ ends once the target answered), and the bytes land."""
+    import os
+
+    a, b, peer, (ta, la), (tb, lb) = _reading(pair)
+    export = a._peers[peer].metadata.regions["kv"].exports["local"]
+    assert export.get("busy")
+    other = f"/dev/shm/xfer-1-{os.getpid()}"  # a segment of the right size, named for another process (pid 1)
+    with open(other, "wb") as f:
+        f.truncate(3 * 8 * lb.num_blocks)
+    export["busy"] = {"other-pid": os.path.basename(other), "wrong-size": _tables(a)._box.name, "not-a-name": "../x",
+                      "missing": None}[bad]
+    try:
+        t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"checked-there")
+        assert t.wait() is TransferState.DONE
+    finally:
+        os.unlink(other)
+    tl = t.timeline()
+    assert "acked" in tl and "checked" not in tl
+    assert b.wait_notification(2).payload == b"checked-there"
     assert_blocks_equal(lb, tb, [4, 5, 6], la, ta, [1, 2, 3])
     assert_untouched(la, ta, [1, 2, 3])
 

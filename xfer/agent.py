@@ -133,6 +133,7 @@ class Agent:
             if region is None:
                 raise NotRegisteredError(f"region {name!r} is not registered; registered: {sorted(self._regions)}")
             self._exports.pop(name, None)
+            self._grants.retire(region)  # READs still copying from it are refused (their own check too)
             for transport in self.transports.values():
                 transport.release_region(region)
             self._router.forget(region=name)
@@ -438,6 +439,8 @@ class Agent:
                 return
             self._closed = True
             inflight, self._inflight = self._inflight, set()
+            for region in self._regions.values():  # peers' READs still copying from them are refused
+                self._grants.retire(region)
         for t in inflight:
             t.stop(AgentClosedError(f"agent {self.name!r} closed before transfer {t.id} ended"))
         for transport in self.transports.values():

@@ -184,7 +184,9 @@ class Inbox:
         if "grant" not in entry:
             region, ids = check_request(self._regions, region=entry.get("region"), op=op, ids=entry.get("blocks"),
                                         what="notified block ids", agent=f"agent {self.name!r}")
-            if op is Op.READ and "started" in entry:  # a one-sided READ: nothing it read changed since
+            # a one-sided READ: nothing it read changed since (unless its initiator checked that itself,
+            # from this agent's busy counts: readcheck; the check protects the reader's bytes only)
+            if op is Op.READ and "started" in entry and entry.get("reader_checked") is not True:
                 why = self._grants.check_read(region, ids, check_time(entry["started"], what="a READ's start"))
                 if why is not None:
                     cls = RevokedError if "revoked" in why else BlocksBusyError
@@ -237,7 +239,9 @@ class Inbox:
         words = self._boxes.view(landing.get("box"), header.get("pid"))
         what = f"the notice of transfer {header.get('transfer_id')} from {sender!r}"
         deadline = local_deadline(header.get("ttl"), self._late(header, header, what), time.monotonic(), what=what)
-        entry = {k: v for k, v in header.items() if k != "landing"}
+        entry = {k: v for k, v in header.items() if k not in ("landing", "reader_checked")}
+        if landing.get("reader_checks") is True and header.get("op") == Op.READ.value:
+            entry["reader_checked"] = True
 
         def poll(now: float):
             word = int(words[slot])

@@ -37,7 +37,7 @@ from .base import Job
 
 __all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
            "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply",
-           "open_landing_lane"]
+           "landing_reply_of", "open_landing_lane"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,6 +132,14 @@ def landing_reply(job: Job, client, pending, grace: float) -> None:
     written: returns when it delivered, raises what it refused (or the message's failure)."""
     reply, _ = client.result(pending, job.transfer.deadline + grace)
     raise_remote(reply, job.peer.name)
+
+
+def landing_reply_of(pending, peer_name: str) -> None:
+    """The answer to a landing notice that came (``pending.done``): returns when the peer
+    delivered, raises what it refused (or the message's failure)."""
+    if pending.error is not None:
+        raise pending.error
+    raise_remote(pending.reply[0], peer_name)
 
 
 class GrantAsk:

@@ -23,7 +23,13 @@ sends ended. :class:`Grants` owns the table (one per agent, any thread):
   that writes its blocks was live then or ended since, or the blocks were revoked since: a READ
   never reports DONE over bytes this agent changed or gave back meanwhile.
 
-Busy counts live on the region (``region.state``) and die with it.
+Busy counts live on the region (``region.state``) and die with it. The three a READ's check reads
+(per block: write holds live, when one last ended, when last revoked) sit in one shared-memory
+segment (:meth:`Grants.busy_segment`), which the one-sided transports publish with the region: an
+initiator on this host reads them itself once its READ's copy ended (:func:`read_changed`, the same
+check), without waiting for this agent's answer to its notice. The table writes in the order
+such a reader needs (a write hold's end time before its count drops; a revocation's time before
+any hold on the blocks ends; a deregistered region's blocks revoked for good: :meth:`Grants.retire`).
 """
 
 from __future__ import annotations
@@ -36,13 +42,31 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from ..errors import (BlocksBusyError, FenceTimeoutError, InvalidArgumentError, NotRegisteredError,
                       RevokedError)
-from ..shm import pid_alive
+from ..shm import lookup, pid_alive, shared_empty
 from .base import LocalRegion
 
-__all__ = ["Hold", "Grants"]
+__all__ = ["Hold", "Grants", "read_changed"]
+
+
+def read_changed(writes: np.ndarray, written: np.ndarray, revoked: np.ndarray, ids: np.ndarray,
+                 started: float) -> str | None:
+    """Why a READ of blocks ``ids`` whose copy began at ``started`` (``time.monotonic`` of this
+    host) may have read bytes changed or given back meanwhile, or None, from a region's busy
+    counts (:class:`_Busy`; a reader in another process maps them). ``writes`` is read before
+    ``written``: a write hold that ends meanwhile is seen live, or ended since ``started``."""
+    if not len(ids):
+        return None
+    if writes[ids].any():
+        return "a transfer writing them is still running"
+    if written[ids].max() >= started:
+        return "a transfer wrote them while it read them"
+    if revoked[ids].max() >= started:
+        return "this agent revoked them while it read them"
+    return None
 
 
 class _Busy:
@@ -51,13 +75,21 @@ class _Busy:
     the region's live holds by owner, so that a new hold looks for a clash among other owners'
     holds only (one initiator's burst over reused blocks would scan all of its own, every one)."""
 
-    __slots__ = ("writes", "reads", "written", "revoked", "owners")
+    __slots__ = ("writes", "reads", "written", "revoked", "owners", "segment", "_keep")
 
     def __init__(self, n: int):
-        self.writes = np.zeros(n, dtype=np.int32)
+        try:  # writes, written, revoked: one shared segment, read by READ initiators on this host
+            table = shared_empty((3, n), dtype=torch.float64)
+            self.segment, self._keep = lookup(table)[0], table
+            words = table.numpy()
+        except (OSError, RuntimeError):  # no shared memory here: readers' notices are checked here only
+            self.segment, self._keep = None, None
+            words = np.empty((3, n))
+        self.writes, self.written, self.revoked = words[0], words[1], words[2]
+        self.writes[:] = 0  # (float64 counts: one word per block, as readers map them)
+        self.written[:] = -np.inf
+        self.revoked[:] = -np.inf
         self.reads = np.zeros(n, dtype=np.int32)
-        self.written = np.full(n, -np.inf)
-        self.revoked = np.full(n, -np.inf)
         self.owners: dict = {}  # owner -> {hold id: Hold}, live holds only
 
 
@@ -107,6 +139,19 @@ class Grants:
     @staticmethod
     def _busy(region: LocalRegion) -> _Busy:
         return region.state.get(("grants", "busy"), lambda: _Busy(region.layout.num_blocks))
+
+    def busy_segment(self, region: LocalRegion) -> str | None:
+        """The shared segment of ``region``'s busy counts (3 rows of ``num_blocks`` float64: write
+        holds live, last write end, last revocation), for READ initiators on this host; None where
+        there is no shared memory."""
+        return self._busy(region).segment
+
+    def retire(self, region: LocalRegion) -> None:
+        """``region`` is deregistered (or its agent closes): every block revoked for good, so a READ
+        still copying from it is refused, by its initiator's own check too."""
+        busy = self._busy(region)
+        with self._lock:
+            busy.revoked[:] = np.inf
 
     def _gone(self, hold: Hold) -> bool:
         """The initiator's process is known to be gone (a one-sided copier on this host)."""
@@ -195,9 +240,9 @@ class Grants:
             mine.pop(h.id, None)
             if not mine:
                 del busy.owners[h.owner]
-        if h.writes:  # a write's ids are unique
-            busy.writes[h.ids] -= 1
+        if h.writes:  # a write's ids are unique; its end time first: a reader reads the count first
             busy.written[h.ids] = time.monotonic()
+            busy.writes[h.ids] -= 1
         else:
             np.add.at(busy.reads, h.ids, -1)
         h._latch.release()
@@ -227,13 +272,7 @@ class Grants:
         monotonic clock) may have read bytes changed or given back meanwhile, or None. Call it
         holding :meth:`closing` (one step with the notice's delivery)."""
         busy = self._busy(region)
-        if busy.writes[ids].any():
-            return "a transfer writing them is still running"
-        if busy.written[ids].max() >= started:
-            return "a transfer wrote them while it read them"
-        if busy.revoked[ids].max() >= started:
-            return "this agent revoked them while it read them"
-        return None
+        return read_changed(busy.writes, busy.written, busy.revoked, ids, started)
 
     def end_locked(self, hold: Hold) -> None:
         """:meth:`end` for a caller holding :meth:`closing`."""

@@ -92,7 +92,7 @@ class IpcTransport(OneSidedTransport):
             bases.append(encode_share(share, t.data_ptr() - storage.data_ptr(), _uuid(t.device.index)))
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
         handle = "expandable" if "expandable_segments:True" in conf.replace(" ", "") else "legacy"
-        return {"bases": bases, "handle": handle, "uuid": _uuid(region.device.index)}
+        return {"bases": bases, "handle": handle, "uuid": _uuid(region.device.index), **self._busy_export(region)}
 
     def check_route(self, local: LocalRegion, peer: PeerHandle, peer_region: RegionRecord, op: Op) -> str | None:
         md = peer.metadata

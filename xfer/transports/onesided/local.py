@@ -35,7 +35,7 @@ class LocalTransport(OneSidedTransport):
         with _IN_PROCESS_LOCK:
             _IN_PROCESS[(self.ctx.agent_id, region.name)] = region
         segments = [shm.lookup(t) for t in region.tensors]
-        return {"segments": [list(s) for s in segments] if all(segments) else None}
+        return {"segments": [list(s) for s in segments] if all(segments) else None, **self._busy_export(region)}
 
     def release_region(self, region: LocalRegion) -> None:
         super().release_region(region)

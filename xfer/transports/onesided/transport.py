@@ -25,6 +25,7 @@ until the peer hears it) and reports the stop."""
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -37,10 +38,12 @@ from ...shm import pid_alive
 from ...transfer import Op, TransferState
 from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
-from ..completion import (ask_grants, await_grants, complete_notified, end_grants, landing_reply, open_landing_lane,
-                          send_landing_notice)
+from ..grants import read_changed
+from ..completion import (ask_grants, await_grants, complete_notified, end_grants, landing_reply, landing_reply_of,
+                          open_landing_lane, send_landing_notice)
 from .line import EMPTY, Line
 from .mailbox import Mailbox
+from .readcheck import BusyTables
 
 __all__ = ["OneSidedTransport"]
 
@@ -55,6 +58,7 @@ RAMP_FIRST = 2
 _REFUSED_BY_CHECKS = (RevokedError, NotRegisteredError, BlocksBusyError)
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
 _HELP_WAIT_S = 0.001  # the longest a post waits for the worker's turn to end (XFER_POST_TURNS)
+_log = logging.getLogger("xfer")
 
 
 class OneSidedTransport(Transport):
@@ -107,7 +111,14 @@ class OneSidedTransport(Transport):
         self.notices_early = self.notice_early_default if early is None else early
         self._early_host = early is True
         self._box = Mailbox() if self.notices_early else None
-        self._landing: dict[str, tuple] = {}  # transfer id -> (slot, seq, client, pending): noticed at launch
+        # transfer id -> (slot, seq, client, pending, busy): noticed at launch; busy: the peer region's
+        # counts a READ's initiator checks itself (readcheck), else None
+        self._landing: dict[str, tuple] = {}
+        self._tables = BusyTables()
+        # READs that ended on their own check: (transfer id, peer name, client, pending, slot, until),
+        # their notices' answers not taken yet (:meth:`_sweep`); under _unacked_lock
+        self._unacked: collections.deque = collections.deque()
+        self._unacked_lock = threading.Lock()
         self._no_landing: set[str] = set()  # agent ids of peers whose landing notices fail (then the usual notice)
         self._cold: set[str] = set()  # agent ids of peers whose landing connection the completer opens next
         self._ends: list[tuple[float, list[Job], bool]] = []  # grant ends to retry: (when, jobs of one peer, by id)
@@ -210,6 +221,22 @@ class OneSidedTransport(Transport):
         except Exception:  # noqa: BLE001 - the worker reports it with the transfer
             return False
 
+    def _busy_export(self, region) -> dict:
+        """What a region's export adds for READ initiators on this host: its busy counts' shared
+        segment (:mod:`xfer.transports.onesided.readcheck`), where there is one."""
+        grants = self.ctx.grants
+        name = grants.busy_segment(region) if grants is not None else None
+        return {"busy": name} if name else {}
+
+    def _busy_of(self, job: Job):
+        """The peer region's busy counts for ``job`` (a READ) to check itself, or None (then the
+        peer checks its notice)."""
+        export = job.peer_region.exports.get(self.kind.value) or {}
+        name = export.get("busy")
+        if name is None or job.peer.metadata.host_id != self.ctx.host_id:
+            return None
+        return self._tables.view(name, job.peer.metadata.pid, job.peer_region.layout.num_blocks)
+
     def disconnect(self, peer_agent_id: str) -> None:
         for key in [k for k in self._mapped if k[0] == peer_agent_id]:
             del self._mapped[key]
@@ -234,6 +261,7 @@ class OneSidedTransport(Transport):
         for job, _ in left:  # (the worker took every job before it ended: none was asked for)
             job.transfer.fail(TransportError(f"{self.kind.value} transport closed"))
         self._mapped.clear()
+        self._sweep(final=True)
         for region in self.ctx.regions():
             self.release_region(region)
 
@@ -431,13 +459,18 @@ class OneSidedTransport(Transport):
                 not (job.peer.metadata.transports.get(self.kind.value) or {}).get("landing") or \
                 job.peer.metadata.agent_id in self._no_landing:
             return None
+        if self._unacked:
+            self._sweep()
         got = self._box.take()
         if got is None:
             return None
         slot, seq = got
+        busy = self._busy_of(job) if job.op is Op.READ else None
+        landing = {"box": self._box.name, "slot": slot, "seq": seq}
+        if busy is not None:
+            landing["reader_checks"] = True
         try:
-            sent = send_landing_notice(job, self.ctx.agent_name, self.ctx.host_id, self._grace,
-                                       {"box": self._box.name, "slot": slot, "seq": seq})
+            sent = send_landing_notice(job, self.ctx.agent_name, self.ctx.host_id, self._grace, landing)
         except BaseException:  # noqa: BLE001 - not sent: the notice goes after the copy
             sent = None
         if sent is None:
@@ -445,12 +478,12 @@ class OneSidedTransport(Transport):
             self._cold.add(job.peer.metadata.agent_id)  # its landing connection opens after this transfer
             return None
         job.transfer.mark("noticed")
-        return (slot, seq, *sent)
+        return (slot, seq, *sent, busy)
 
     def _answered(self, job: Job, early: tuple, landed: bool) -> BaseException | None:
         """Write the job's landing slot (every byte landed, or the copy stopped short), then take the
         peer's answer to its notice: None where it delivered, else what it refused."""
-        slot, seq, client, pending = early
+        slot, seq, client, pending, _ = early
         self._box.land(slot, seq, landed)
         try:
             landing_reply(job, client, pending, self._grace)
@@ -472,6 +505,9 @@ class OneSidedTransport(Transport):
             if not isinstance(exc, Exception):
                 raise  # (an interrupt in a waiting caller's thread: it reaches the caller)
             return
+        if early[4] is not None:  # a READ checked here: it ends now, its notice's answer is taken later
+            self._end_read(job, early)
+            return
         refused = self._answered(job, early, landed=True)
         if refused is None:
             job.transfer.mark("acked")
@@ -488,13 +524,75 @@ class OneSidedTransport(Transport):
         if job.transfer.poll() is TransferState.DONE:  # the slot is what failed: no more of them to this peer
             self._no_landing.add(job.peer.metadata.agent_id)
 
+    def _end_read(self, job: Job, early: tuple) -> None:
+        """A lone READ whose copy ended, checked against the peer's busy counts here (readcheck):
+        refused as the peer would refuse its notice (the slot then says it stopped short: nothing
+        delivered), else DONE now, the slot written for the peer to deliver its notice."""
+        t = job.transfer
+        writes, written, revoked = early[4]
+        why = read_changed(writes, written, revoked, job.peer_ids, job.started)
+        if why is None:
+            try:
+                self._check_alive(job)  # (a peer gone mid-copy: its memory may have gone with it)
+            except PeerDisconnectedError as exc:
+                self._answered(job, early, landed=False)
+                self._fail(job, exc)
+                return
+            slot, seq, client, pending, _ = early
+            self._box.land(slot, seq, True)
+            t.mark("checked")
+            with self._unacked_lock:
+                self._unacked.append((t.id, job.peer.name, client, pending, slot, t.deadline + self._grace))
+            t.complete()
+            return
+        self._answered(job, early, landed=False)
+        cls = RevokedError if "revoked" in why else BlocksBusyError
+        t.mark("checked")
+        t.fail(cls(f"READ {t.id} from {job.peer.name!r}: {why}; its bytes may be mixed, none is reported complete"))
+        self._line.wake()
+
+    def _sweep(self, final: bool = False) -> None:
+        """Take the answers that came to the notices of READs that ended on their own check (never
+        waiting; ``final``: the transport closes, the rest are given up) and give their landing
+        slots back. A refusal there (the peer deregistered the region meanwhile, or the notice came
+        late) is logged: the READ's bytes were checked whole, the peer was not told."""
+        with self._unacked_lock:
+            items, self._unacked = list(self._unacked), collections.deque()
+        keep = []
+        now = time.monotonic()
+        for item in items:
+            tid, peer, client, pending, slot, until = item
+            try:
+                if client.poll_reply(pending):
+                    landing_reply_of(pending, peer)
+                elif not final and now <= until:
+                    keep.append(item)
+                    continue
+                else:  # no answer in time (or the transport closes): given up, the slot is free again
+                    try:
+                        client.result(pending, now)
+                    except XferError:
+                        pass
+                    _log.info("no answer from %r to the notice of READ %s (ended DONE on its own check)", peer, tid)
+            except XferError as exc:
+                _log.warning("the notice of READ %s (ended DONE on its own check) was not delivered by %r: %s",
+                             tid, peer, exc)
+            except Exception as exc:  # noqa: BLE001 - never the completer's end
+                _log.warning("the answer to the notice of READ %s could not be read: %r", tid, exc)
+            self._box.give(slot)
+        if keep:
+            with self._unacked_lock:
+                self._unacked.extendleft(reversed(keep))
+
     def _complete(self) -> None:
         """Completer: wait for each job's last copy, then notify the peer and finish the transfer,
         in launch order. Jobs to the same peer whose copies have also ended by then go in the same
         message (``notify_batch``): under load one round trip serves several transfers. A job its
         caller waits for is left to that caller (:meth:`_assist`)."""
         while True:
-            item = self._line.take(timeout=0.25 if self._ends else None)
+            item = self._line.take(timeout=0.25 if self._ends or self._unacked else None)
+            if self._unacked:
+                self._sweep()
             if item is EMPTY:
                 late = self._line.overdue()
                 if late is not None:  # a caller finishing it waits for its peer: its stop begins now
