@@ -288,9 +288,6 @@ def main(argv=None) -> dict:
                         "travels (XFER_STAGE_IDS=0: the launch as before issue 32)")
     p.add_argument("--switch-interval-ms", type=float, default=0.0,
                    help="experiment: this process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
-    p.add_argument("--post-turns", action="store_true",
-                   help="a post behind others takes the pipeline's due turn in the posting thread (XFER_POST_TURNS=1: "
-                        "launches the copies granted meanwhile, asks for the queued ones)")
     p.add_argument("--ramp", type=int, default=0,
                    help="experiment: the first grant request of a burst asks for this many WRITEs (0: the library's)")
     args = p.parse_args(argv)
@@ -308,7 +305,6 @@ def main(argv=None) -> dict:
         else:
             os.environ[var] = "1" if choice == "on" else "0"
     os.environ["XFER_STAGE_IDS"] = "0" if args.no_stage_ids else "1"
-    os.environ["XFER_POST_TURNS"] = "1" if args.post_turns else "0"
     kind = LayoutKind.VLLM_FLASH_ATTN_NHD.value
     dims = dict(num_layers=64, num_blocks=256, block_size=16, num_heads=8, head_dim=128)
     dev = f"cuda:{args.device}"
@@ -494,7 +490,7 @@ def main(argv=None) -> dict:
         "post_us_median": statistics.median(post),
         "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids,
                      "switch_interval_ms": args.switch_interval_ms or 5.0, "ramp": args.ramp or None,
-                     "notice_early": args.notice_early, "post_turns": args.post_turns},
+                     "notice_early": args.notice_early},
         "write_timeline_ms": phases,
         "read_timeline_ms": read_phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),

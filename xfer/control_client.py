@@ -325,9 +325,10 @@ class ControlClient:
 
     def wait_reply(self, p: Pending, until: float) -> None:
         """Wait until ``p``'s reply is in, bytes of a reply wait on the connection, or ``until``
-        (``time.monotonic``) passed; reads nothing, so that another thread may take the reply (see
-        ``OneSidedTransport._help``). Looks again every ms (every 20 ms after the first 50): a
-        reader that started meanwhile hands ``p`` its reply without a wake-up for this waiter."""
+        (``time.monotonic``) passed; reads nothing, so that another thread may take the reply (the
+        one-sided worker waits here, then takes its turn: ``OneSidedTransport._turn``). Looks again
+        every ms (every 20 ms after the first 50): a reader that started meanwhile hands ``p`` its
+        reply without a wake-up for this waiter."""
         begun = time.monotonic()
         while not p.done:
             now = time.monotonic()

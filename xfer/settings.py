@@ -106,12 +106,6 @@ KNOBS: tuple[Knob, ...] = (
          "an H100 a lone seed-case write took 0.94 against 1.19-1.20 ms, and 1.09 against 1.58-1.65 ms), not "
          "for host copies (local: on the 2-core CPU VM it added ~100 us to write() and took nothing off the "
          "call-to-granted time)"),
-    Knob("XFER_POST_TURNS", "onesided", "post_turns", "bool", False, "",
-         "ipc/NVSHMEM-direct (copies launched on a CUDA stream): a post queued behind others (a burst) takes the "
-         "pipeline's turn that is due, in the posting thread: launches the copies whose grants came and asks for "
-         "the jobs queued (that thread holds the GIL while it posts; the worker would wait for it at each send "
-         "and launch: on an H100 a 128-write burst's first copy launched after the last post). Off until measured "
-         "on a GPU host (bench/results/2026-12-07-h100-c24-burst-handoff.md)"),
     Knob("XFER_UCX_CHUNK_BYTES", "ucx", "chunk_bytes", "bytes", 16 << 20, "bytes",
          "host staging slot and wire message size; published to peers, who plan with the smaller side's"),
     Knob("XFER_UCX_DEPTH", "ucx", "depth", "int", 4, "chunks",
@@ -356,7 +350,6 @@ class OneSidedSettings:
     stage_ids: bool = True
     ask_inline: bool | None = None  # None: on for copies launched on a CUDA stream
     notice_early: bool | None = None  # None: on where copies launch on a CUDA stream (ipc)
-    post_turns: bool = False  # on: where copies launch on a CUDA stream
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ launches them: queued on a CUDA stream (a launch returns at once), or run on the
 host in chunks, checking between chunks for a stop (cancel, deadline) and the peer's liveness. The
 control channel takes several requests in flight (xfer.control_client), so the next jobs' grant
 request leaves before this batch's copies launch. The pipeline moves in turns (take the jobs queued,
-ask for their grants, launch the batch granted before), each taken by the worker or, while an
-engine posts a burst on a stream-copy transport, by the posting thread whose post came when one was
-due: that thread holds the GIL, and the worker would wait for it at each send and launch. A WRITE
-refused at its grant releases what its preparation took; nothing of it moved. A completer thread waits for each job's copy, then notifies the peer (several
-jobs to one peer in one message under load); a lone job's caller blocked in ``wait()`` does that
-itself instead (xfer.transports.onesided.line). A stopped job is fenced once its copy ended (the
-chunk in flight, or the kernels queued on the stream); it then ends its grant at the peer (retried
-until the peer hears it) and reports the stop."""
+ask for their grants, launch the batch granted before), each taken by the worker. A WRITE refused
+at its grant releases what its preparation took; nothing of it moved. A completer thread waits for
+each job's copy, then notifies the peer (several jobs to one peer in one message under load); a
+lone job's caller blocked in ``wait()`` does that itself instead (xfer.transports.onesided.line).
+A lone READ from a peer on this host ends on its own check of the peer's busy counts, without
+waiting for the peer's answer to its notice (xfer.transports.onesided.readcheck). A stopped job is
+fenced once its copy ended (the chunk in flight, or the kernels queued on the stream); it then ends
+its grant at the peer (retried until the peer hears it) and reports the stop."""
 
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ RAMP_FIRST = 2
 # ended its grant (a WRITE's), and a second notice would only be told the grant is gone
 _REFUSED_BY_CHECKS = (RevokedError, NotRegisteredError, BlocksBusyError)
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
-_HELP_WAIT_S = 0.001  # the longest a post waits for the worker's turn to end (XFER_POST_TURNS)
 _log = logging.getLogger("xfer")
 
 
@@ -91,13 +90,8 @@ class OneSidedTransport(Transport):
         self._order = threading.RLock()  # held while a stream launch runs: launches keep posting order
         self._work = threading.Condition(self._order)  # the worker waits on it for a job or the close
         self._queued = 0  # jobs handed to the worker and not launched (or ended) yet (under _order)
-        # the pipeline's turns (:meth:`_turn`) are taken under _turns, by the worker or a posting thread
-        self._turns = threading.Lock()
         self._ahead = None  # the batch whose grant requests are out, launched by the next turn
         self._cap = RAMP_FIRST  # the next batch's size: a burst starts small (see RAMP_FIRST)
-        # XFER_POST_TURNS: a post behind others takes the pipeline's turns itself (launches the copies
-        # granted meanwhile, asks for the next), where its copy launches on a CUDA stream
-        self._post_turns = ctx.config.settings.onesided.post_turns
         # launch_inline off (XFER_LAUNCH_INLINE=0): every launch goes through the worker thread
         self._inline = ctx.config.settings.onesided.launch_inline
         # XFER_ASK_INLINE: a lone WRITE's grant request sent by the posting thread (None: where its copy
@@ -147,16 +141,14 @@ class OneSidedTransport(Transport):
 
     def post(self, job: Job) -> None:
         job.transfer.assist = self._assist  # a caller blocked in wait() may finish it (see line.py)
-        if self._queue(job) and self._post_turns and self._launches_async(job):
-            self._help()
+        self._queue(job)
 
-    def _queue(self, job: Job) -> bool:
-        """:meth:`post`'s work: launch ``job``'s copy here or queue it for the pipeline; True where
-        it was queued behind others (a burst)."""
+    def _queue(self, job: Job) -> None:
+        """:meth:`post`'s work: launch ``job``'s copy here or queue it for the pipeline."""
         with self._order:
             if self._closed:
                 self._fail(job, TransportError(f"{self.kind.value} transport is closed"))
-                return False
+                return
             # a READ waits for no grant, nor a WRITE granted ahead (xfer.ahead): its stream copy is
             # launched here when nothing posted earlier waits to launch (a launch is asynchronous; a
             # hand-off to the worker costs a wake-up)
@@ -165,10 +157,10 @@ class OneSidedTransport(Transport):
                 t = job.transfer
                 if t.cancel_requested:
                     self._fail(job, t.error)
-                    return False
+                    return
                 t.begin()
                 self._start(job)
-                return False
+                return
             # (ask_inline) a WRITE when nothing waits before it: its grant request leaves now
             # (one send, no wait), so the worker's wake-up and the copy's preparation overlap the round trip
             lone = self._inline and self.ask_inline is not False and job.op is Op.WRITE and job.grant is None and \
@@ -177,23 +169,6 @@ class OneSidedTransport(Transport):
             self._queued += 1
             self._jobs.append((job, ask))
             self._work.notify()
-            return self._queued > 1
-
-    def _help(self) -> None:
-        """(a posting thread, holding no lock) Take the pipeline's turn that is due now: launch the
-        copies whose grants came, ask for the jobs queued. A thread that runs Python without
-        blocking (an engine posting a burst) keeps the GIL from the worker: each of the worker's
-        sends, launches and waits would cost it a GIL switch (5 ms) while this thread posts, and on
-        a GPU host the first copy launched only after the last post (bench/results/
-        2026-12-07-h100-c24-burst-handoff.md). Where the worker is taking a turn, waits for it
-        :data:`_HELP_WAIT_S` at most (the GIL released: the worker ends its turn without waiting for
-        this thread; a post never waits longer); takes none whose grant replies have not come."""
-        if not self._turns.acquire(timeout=_HELP_WAIT_S):
-            return
-        try:
-            self._turn(wait=False)
-        finally:
-            self._turns.release()
 
     def _ask_now(self, job: Job):
         """Send ``job``'s grant request from the posting thread where the channel takes it without
@@ -280,14 +255,12 @@ class OneSidedTransport(Transport):
 
     def _run(self) -> None:
         """Worker: wait (the GIL released) for a job, or for the grant replies of the batch ahead,
-        then take the pipeline's turn (:meth:`_turn`); a posting thread takes the turns that come
-        due while it posts (:meth:`_help`). Ends once the transport closed and every job ended."""
+        then take the pipeline's turn (:meth:`_turn`). Ends once the transport closed and every job
+        ended."""
         while True:
-            wait = self._await_turn()
-            with self._turns:
-                if self._turn(wait):
-                    self._line.put(None)
-                    return
+            if self._turn(self._await_turn()):
+                self._line.put(None)
+                return
 
     def _await_turn(self) -> bool:
         """(worker, no lock held) Return once a turn may be due: a job queued with nothing ahead,
@@ -313,11 +286,11 @@ class OneSidedTransport(Transport):
         return False
 
     def _turn(self, wait: bool) -> bool:
-        """(under ``_turns``) One step of the pipeline: take the jobs queued now (at most the ramp's
+        """(worker) One step of the pipeline: take the jobs queued now (at most the ramp's
         batch), send each peer the grant request of their WRITEs and prepare their copies, then
         launch the batch ahead's granted copies, so the next batch's round trip overlaps this
         batch's launch and copies. ``wait`` False: nothing where the batch ahead's grant replies are
-        not in yet (a posting thread's turn; the worker's while their bytes are on their way).
+        not in yet (their bytes are on their way: the worker waits for them again).
         True once the transport closed and every job ended."""
         ahead = self._ahead
         if ahead is not None and not self._granted(ahead, wait):
