@@ -44,6 +44,10 @@ class RegionState:
                     value = self._items[key] = make()
         return value
 
+    def peek(self, key):
+        """The value under ``key`` if one was made, else None (nothing is made)."""
+        return self._items.get(key)
+
     def drop(self, match: Callable) -> None:
         """Forget every entry whose key ``match(key)`` accepts (e.g. those of a disconnected peer)."""
         with self._lock:

@@ -149,9 +149,10 @@ class Grants:
     def retire(self, region: LocalRegion) -> None:
         """``region`` is deregistered (or its agent closes): every block revoked for good, so a READ
         still copying from it is refused, by its initiator's own check too."""
-        busy = self._busy(region)
-        with self._lock:
-            busy.revoked[:] = np.inf
+        busy = region.state.peek(("grants", "busy"))  # (none made yet: no reader has it mapped)
+        if busy is not None:
+            with self._lock:
+                busy.revoked[:] = np.inf
 
     def _gone(self, hold: Hold) -> bool:
         """The initiator's process is known to be gone (a one-sided copier on this host)."""
