@@ -97,6 +97,8 @@ def _peer_main(conn, name, kind, dims, seed, config, device="cpu", empty=None):
             conn.send(agent.connect(arg))
         elif cmd == "grant":  # (peer, blocks) -> the token of a grant issued ahead (xfer.ahead)
             conn.send(agent.grant(*arg))
+        elif cmd == "revoke":  # blocks of region kv -> how many holds were revoked
+            conn.send(agent.revoke(arg, region="kv", timeout=5))
         elif cmd == "write":
             peer, src, dst, timeout = arg
             try:

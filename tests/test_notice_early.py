@@ -204,6 +204,38 @@ def test_a_read_from_a_target_whose_busy_counts_cannot_be_mapped_is_checked_by_t
     assert_untouched(la, ta, [1, 2, 3])
 
 
+def test_a_read_from_another_process_checks_that_process_busy_counts(pair):
+    """The target in another process (its cache and busy counts in its shared memory): a lone READ
+    ends DONE on its own check, with the target's bytes, and the target delivers its notice; a READ
+    whose source the target revokes while its copy waits is refused by its own check (RevokedError),
+    and nothing of it is delivered."""
+    from helpers import PeerProcess
+    from xfer.errors import RevokedError
+
+    a, _, _, (ta, la), _ = pair
+    poison(ta)
+    b = PeerProcess("early-far", "vllm_flash_attn_nhd", DIMS, seed=11,
+                    config=AgentConfig(enable=("local",), default_timeout_s=5))
+    try:
+        peer = a.connect(b.metadata)
+        t = a.read(peer, [4, 5, 6], [1, 2, 3], notify=b"far")
+        assert t.wait() is TransferState.DONE
+        assert "checked" in t.timeline() and "acked" not in t.timeline()
+        assert_blocks_equal(la, b.tensors(), [4, 5, 6], la, ta, [1, 2, 3])
+        assert_untouched(la, ta, [1, 2, 3])
+        got = b.call("notification", 2)
+        assert got[0] == "ok" and got[3] == [4, 5, 6] and got[4] == b"far"
+        t = _held(a, lambda: a.read(peer, [7, 8], [9, 10], notify=b"revoked"), delay=0.4)
+        assert b.call("revoke", [8]) == 0  # (a READ holds nothing: only the counts say it)
+        with pytest.raises(RevokedError):
+            t.wait()
+        assert "checked" in t.timeline()
+        time.sleep(0.2)
+        assert b.call("drain") == []
+    finally:
+        b.close()
+
+
 def test_a_read_whose_source_is_revoked_during_its_copy_is_refused_after_it(pair):
     """The target revokes and rewrites the READ's source blocks after the notice came and before the
     copy ran: the notice, checked once the slot says the copy ended, is refused (RevokedError), the
