@@ -256,6 +256,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="xfer-ipc-bench")
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--lone-iters", type=int, default=None,
+                   help="timed iterations of the lone write and read rows (default: --iters); each row's median "
+                        "then covers a longer stretch of requests one after another, as a serving process runs them")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--peer-device", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print where copy_blocks spends its host time")
@@ -390,7 +393,8 @@ def main(argv=None) -> dict:
                 read_tls.append(t.timeline())
 
             target.call("drain")
-            ms, p99 = median_ms(one, args.iters)
+            lone_iters = args.lone_iters or args.iters
+            ms, p99 = median_ms(one, lone_iters)
             rows.append({"name": "xfer write, one request end to end", "ms": ms, "p99_ms": p99})
             # the measure: call -> bytes in the decode blocks -> notification delivered there
             # (time.monotonic is one clock for the host's processes); the ack comes back after it
@@ -452,9 +456,9 @@ def main(argv=None) -> dict:
             if args.burst_timeline:  # where a burst's time goes: each transfer's phases from the first post
                 burst_phases = _burst_timeline(lambda i: agent.write(peer, srcs[i % 8], sets[i % 8]), 128,
                                                rows[0]["ms"])
-            ms, p99 = median_ms(pull, args.iters)
+            ms, p99 = median_ms(pull, lone_iters)
             rows.append({"name": "xfer read (pull), one request", "ms": ms, "p99_ms": p99})
-            read_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in read_tls[-args.iters:])
+            read_phases = {k: 1e3 * statistics.median(tl.get(k, float("nan")) for tl in read_tls[-lone_iters:])
                            for k in read_tls[-1]}
             target.call("drain")
             if args.pull_burst:
@@ -490,7 +494,7 @@ def main(argv=None) -> dict:
         "post_us_median": statistics.median(post),
         "switches": {"ask_inline": args.ask_inline, "stage_ids": not args.no_stage_ids,
                      "switch_interval_ms": args.switch_interval_ms or 5.0, "ramp": args.ramp or None,
-                     "notice_early": args.notice_early},
+                     "notice_early": args.notice_early, "lone_iters": args.lone_iters or args.iters},
         "write_timeline_ms": phases,
         "read_timeline_ms": read_phases,
         **({"ahead_write_timeline_ms": ahead_phases} if args.ahead else {}),
