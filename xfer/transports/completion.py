@@ -37,7 +37,7 @@ from .base import Job
 
 __all__ = ["notify_peer", "notify_peer_batch", "raise_remote", "complete_notified", "request_grants", "ask_grants",
            "await_grants", "GrantAsk", "end_grants", "end_grants_soon", "send_landing_notice", "landing_reply",
-           "landing_reply_of", "open_landing_lane"]
+           "landing_reply_of", "open_landing_lane", "send_notices", "notices_answer"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,7 +52,7 @@ def raise_remote(reply: dict, peer: str) -> None:
         raise error
 
 
-def _notice(job: Job) -> dict:
+def _notice(job: Job, checked: bool = False) -> dict:
     now = time.monotonic()
     out = {"transfer_id": job.transfer.id, "op": job.op.value, "region": job.peer_region.name,
            "ttl": max(job.transfer.deadline - now, 0.0), "sent": now}
@@ -60,6 +60,8 @@ def _notice(job: Job) -> dict:
         out["blocks"] = job.peer_ids.tolist()
         if job.started is not None:  # a one-sided READ: the peer checks nothing changed since
             out["started"] = job.started
+            if checked:  # ... unless its initiator did (xfer.transports.onesided.readcheck)
+                out["reader_checked"] = True
     else:  # the peer holds the blocks it checked under the grant
         out["grant"] = job.grant
     return out
@@ -134,12 +136,43 @@ def landing_reply(job: Job, client, pending, grace: float) -> None:
     raise_remote(reply, job.peer.name)
 
 
+def send_notices(jobs: list[Job], sender: str, host: str = "", grace: float = 0.0):
+    """Send the notices of READs their initiator checked itself (``reader_checked``; one peer, one
+    message: ``notify_batch`` for several) without waiting for the answer: (client, pending), or
+    None where the peer's channel takes one request at a time (then it was answered here). Raises
+    where sending failed."""
+    deadline = min(j.transfer.deadline for j in jobs) + grace
+    if len(jobs) == 1:
+        header, payload = {"type": "notify", **_who(sender, host), **_notice(jobs[0], True)}, jobs[0].notify
+    else:
+        header = {"type": "notify_batch", **_who(sender, host),
+                  "batch": [{**_notice(j, True), "payload_bytes": len(j.notify)} for j in jobs]}
+        payload = b"".join(j.notify for j in jobs)
+    client = _pipelined(jobs[0].peer)
+    if client is None:
+        reply, _ = jobs[0].peer.request(header, payload, deadline=deadline)
+        notices_answer(reply, jobs[0].peer.name)
+        return None
+    return client, client.submit(header, payload, deadline=deadline)
+
+
+def notices_answer(reply: dict, peer_name: str) -> None:
+    """Raise what the peer refused of a ``notify`` or ``notify_batch`` message (the first refusal
+    of a batch), or return."""
+    raise_remote(reply, peer_name)
+    failed = reply.get("failed") or {}
+    if failed:
+        first = next(iter(failed.values()))
+        raise reply_error({"ok": False, **first}, peer_name) or errors.TransportError(
+            f"peer {peer_name!r} refused {len(failed)} notice(s)")
+
+
 def landing_reply_of(pending, peer_name: str) -> None:
     """The answer to a landing notice that came (``pending.done``): returns when the peer
     delivered, raises what it refused (or the message's failure)."""
     if pending.error is not None:
         raise pending.error
-    raise_remote(pending.reply[0], peer_name)
+    notices_answer(pending.reply[0], peer_name)
 
 
 class GrantAsk:

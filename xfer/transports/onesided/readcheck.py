@@ -1,4 +1,4 @@
-"""A lone READ checked by its initiator: the peer's busy counts, read straight from its memory.
+"""A READ checked by its initiator: the peer's busy counts, read straight from its memory.
 
 A one-sided READ copies a peer's blocks with no hold on them; it may report DONE only if nothing
 changed or gave those blocks back while it copied (``xfer.transports.grants``: no write hold on
@@ -7,9 +7,12 @@ when the READ's notice comes, and the initiator used to wait for its answer: a c
 after the copy (on the H100, 0.11 of a lone seed-case READ's 0.56 ms). A target on this host
 publishes the counts' shared segment with the region (``busy``), so the initiator reads them itself
 once its copy ended (:func:`xfer.transports.grants.read_changed`, the target's own check) and ends
-the READ then; its notice still tells the target (delivered once the landing slot says the copy
-ended) and says that the reader checked (``reader_checks``), and its answer is taken later
-(:meth:`xfer.transports.onesided.transport.OneSidedTransport._sweep`).
+the READ then. Its notice still tells the target and says that the reader checked: a lone READ's
+notice left at the launch (``reader_checks`` in its landing fields; delivered once the slot says
+the copy ended), the others' go once their copies ended, several to one peer in one message
+(``reader_checked``); the answers are taken later
+(:meth:`xfer.transports.onesided.transport.OneSidedTransport._sweep`), and a refused READ sends
+none (nothing of it is delivered).
 
 The segment is the peer's: :class:`BusyTables` maps it once per (peer, region), only if it is an
 xfer segment of the peer's process holding exactly the region's 3 x ``num_blocks`` words, and

@@ -17,8 +17,8 @@ ask for their grants, launch the batch granted before), each taken by the worker
 at its grant releases what its preparation took; nothing of it moved. A completer thread waits for
 each job's copy, then notifies the peer (several jobs to one peer in one message under load); a
 lone job's caller blocked in ``wait()`` does that itself instead (xfer.transports.onesided.line).
-A lone READ from a peer on this host ends on its own check of the peer's busy counts, without
-waiting for the peer's answer to its notice (xfer.transports.onesided.readcheck). A stopped job is
+A READ from a peer on this host ends on its own check of the peer's busy counts, without waiting
+for the peer's answer to its notice (xfer.transports.onesided.readcheck). A stopped job is
 fenced once its copy ended (the chunk in flight, or the kernels queued on the stream); it then ends
 its grant at the peer (retried until the peer hears it) and reports the stop."""
 
@@ -40,7 +40,7 @@ from ..base import Job, Transport
 from ..chunking import blocks_per_chunk
 from ..grants import read_changed
 from ..completion import (ask_grants, await_grants, complete_notified, end_grants, landing_reply, landing_reply_of,
-                          open_landing_lane, send_landing_notice)
+                          open_landing_lane, send_landing_notice, send_notices)
 from .line import EMPTY, Line
 from .mailbox import Mailbox
 from .readcheck import BusyTables
@@ -58,6 +58,9 @@ RAMP_FIRST = 2
 _REFUSED_BY_CHECKS = (RevokedError, NotRegisteredError, BlocksBusyError)
 _WARM_S = 0.1  # the completer's wait for a landing connection's handshake (XFER_NOTICE_EARLY)
 _log = logging.getLogger("xfer")
+# notices of READs that ended on their own check whose answers wait unread: past this many the
+# completer takes them (their connection's server reads no further request while its replies wait)
+_UNANSWERED_MAX = 32
 
 
 class OneSidedTransport(Transport):
@@ -415,6 +418,8 @@ class OneSidedTransport(Transport):
             if early is not None:
                 self._landing[job.transfer.id] = early
             self._line.put((job, event))
+            if self._unacked:  # the answers to earlier READs' notices, while this copy runs
+                self._sweep()
         except BaseException as exc:  # noqa: BLE001 - every failure ends the transfer (its copy ended)
             _release(prep)
             if early is not None:  # the peer waits for its slot: told the copy stopped short first
@@ -502,27 +507,71 @@ class OneSidedTransport(Transport):
         refused as the peer would refuse its notice (the slot then says it stopped short: nothing
         delivered), else DONE now, the slot written for the peer to deliver its notice."""
         t = job.transfer
-        writes, written, revoked = early[4]
-        why = read_changed(writes, written, revoked, job.peer_ids, job.started)
-        if why is None:
-            try:
-                self._check_alive(job)  # (a peer gone mid-copy: its memory may have gone with it)
-            except PeerDisconnectedError as exc:
-                self._answered(job, early, landed=False)
-                self._fail(job, exc)
-                return
+        refused = self._own_check(job, early[4])
+        if refused is None:
             slot, seq, client, pending, _ = early
             self._box.land(slot, seq, True)
-            t.mark("checked")
-            with self._unacked_lock:
-                self._unacked.append((t.id, job.peer.name, client, pending, slot, t.deadline + self._grace))
+            self._unanswered((t.id, job.peer.name, client, pending, slot, t.deadline + self._grace))
             t.complete()
             return
         self._answered(job, early, landed=False)
-        cls = RevokedError if "revoked" in why else BlocksBusyError
-        t.mark("checked")
-        t.fail(cls(f"READ {t.id} from {job.peer.name!r}: {why}; its bytes may be mixed, none is reported complete"))
+        t.fail(refused)
         self._line.wake()
+
+    def _own_check(self, job: Job, busy) -> BaseException | None:
+        """(a READ whose copy ended) Why it may not end DONE, from the peer's busy counts ``busy``
+        (the peer's own check: ``grants.read_changed``) and the peer's liveness; None: it may."""
+        t = job.transfer
+        writes, written, revoked = busy
+        why = read_changed(writes, written, revoked, job.peer_ids, job.started)
+        t.mark("checked")
+        if why is not None:
+            cls = RevokedError if "revoked" in why else BlocksBusyError
+            return cls(f"READ {t.id} from {job.peer.name!r}: {why}; its bytes may be mixed, none is reported "
+                       f"complete")
+        try:
+            self._check_alive(job)  # (a peer gone mid-copy: its memory may have gone with it)
+        except PeerDisconnectedError as exc:
+            return exc
+        return None
+
+    def _checked_reads(self, jobs: list[Job]) -> list[Job]:
+        """End the READs of ``jobs`` (one peer, copies ended) that can check themselves against the
+        peer's busy counts: refused, or DONE with their notices sent in one message whose answer is
+        taken later (:meth:`_sweep`). Returns the others, for the usual notices."""
+        rest, ok = [], []
+        for job in jobs:
+            busy = self._busy_of(job) if job.op is Op.READ and job.started is not None else None
+            if busy is None:
+                rest.append(job)
+                continue
+            refused = self._own_check(job, busy)
+            if refused is None:
+                ok.append(job)
+            else:  # no notice: nothing of it is delivered (a READ holds no grant)
+                job.transfer.fail(refused)
+        if ok:
+            try:
+                sent = send_notices(ok, self.ctx.agent_name, self.ctx.host_id, self._grace)
+            except XferError as exc:  # the bytes are checked whole here; the peer is not told
+                sent = None
+                _log.warning("the notices of %d READ(s) (ended DONE on their own check) were not delivered by "
+                             "%r: %s", len(ok), ok[0].peer.name, exc)
+            if sent is not None:
+                until = min(j.transfer.deadline for j in ok) + self._grace
+                self._unanswered((",".join(j.transfer.id for j in ok), ok[0].peer.name, *sent, None, until))
+            for job in ok:
+                job.transfer.complete()
+        return rest
+
+    def _unanswered(self, item: tuple) -> None:
+        """Keep a notice whose answer is taken later (:meth:`_sweep`: by the next launch, the next
+        landing notice, or the completer, which is woken once :data:`_UNANSWERED_MAX` wait)."""
+        with self._unacked_lock:
+            self._unacked.append(item)
+            many = len(self._unacked) >= _UNANSWERED_MAX
+        if many:
+            self._line.kick()
 
     def _sweep(self, final: bool = False) -> None:
         """Take the answers that came to the notices of READs that ended on their own check (never
@@ -552,7 +601,8 @@ class OneSidedTransport(Transport):
                              tid, peer, exc)
             except Exception as exc:  # noqa: BLE001 - never the completer's end
                 _log.warning("the answer to the notice of READ %s could not be read: %r", tid, exc)
-            self._box.give(slot)
+            if slot is not None:
+                self._box.give(slot)
         if keep:
             with self._unacked_lock:
                 self._unacked.extendleft(reversed(keep))
@@ -617,7 +667,9 @@ class OneSidedTransport(Transport):
                 break
             if self._copied(*nxt):
                 jobs.append(nxt[0])
-        complete_notified(jobs, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
+        jobs = self._checked_reads(jobs)
+        if jobs:
+            complete_notified(jobs, self.ctx.agent_name, self.ctx.host_id, self._grace, self._end_later)
         if self._cold:
             self._warm(job)
 
