@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from .error_codec import error_reply
-from .errors import (BlocksBusyError, InvalidArgumentError, NotRegisteredError, RevokedError, TransferCancelledError,
+from .errors import (InvalidArgumentError, NotRegisteredError, RevokedError, TransferCancelledError,
                      TransferTimeoutError,
                      XferError)
 from .frames import Later
@@ -187,9 +187,9 @@ class Inbox:
             # a one-sided READ: nothing it read changed since (unless its initiator checked that itself,
             # from this agent's busy counts: readcheck; the check protects the reader's bytes only)
             if op is Op.READ and "started" in entry and entry.get("reader_checked") is not True:
-                why = self._grants.check_read(region, ids, check_time(entry["started"], what="a READ's start"))
-                if why is not None:
-                    cls = RevokedError if "revoked" in why else BlocksBusyError
+                changed = self._grants.check_read(region, ids, check_time(entry["started"], what="a READ's start"))
+                if changed is not None:
+                    cls, why = changed
                     raise cls(f"agent {self.name!r} refuses the notice of READ {entry.get('transfer_id')}: {why}; "
                               f"its bytes may be mixed, none is reported complete")
             return Notification(peer=str(sender), transfer_id=str(entry.get("transfer_id")), op=op,

@@ -71,20 +71,29 @@ def _who(sender: str, host: str) -> dict:
     return {"from": sender, "pid": os.getpid(), "host": host}
 
 
+def _notices(jobs: list[Job], sender: str, host: str, grace: float, checked: bool = False) -> tuple:
+    """(header, payload, deadline) of the notices of ``jobs`` (one peer): ``notify`` for one,
+    ``notify_batch`` for several; ``checked``: READs their initiator checked (``reader_checked``)."""
+    deadline = min(j.transfer.deadline for j in jobs) + grace
+    if len(jobs) == 1:
+        return {"type": "notify", **_who(sender, host), **_notice(jobs[0], checked)}, jobs[0].notify, deadline
+    header = {"type": "notify_batch", **_who(sender, host),
+              "batch": [{**_notice(j, checked), "payload_bytes": len(j.notify)} for j in jobs]}
+    return header, b"".join(j.notify for j in jobs), deadline
+
+
 def notify_peer(job: Job, sender: str, host: str = "", grace: float = 0.0) -> None:
     """Tell the peer which of its blocks this transfer wrote or read; return once it acknowledged."""
-    reply, _ = job.peer.request({"type": "notify", **_who(sender, host), **_notice(job)}, job.notify,
-                                deadline=job.transfer.deadline + grace)
+    header, payload, deadline = _notices([job], sender, host, grace)
+    reply, _ = job.peer.request(header, payload, deadline=deadline)
     raise_remote(reply, job.peer.name)
 
 
 def notify_peer_batch(jobs: list[Job], sender: str, host: str = "", grace: float = 0.0) -> list[errors.XferError | None]:
     """Notices of several transfers to one peer in one message (``notify_batch``); returns each
     one's refusal (None: delivered). Raises when the peer refused or missed the whole message."""
-    header = {"type": "notify_batch", **_who(sender, host),
-              "batch": [{**_notice(j), "payload_bytes": len(j.notify)} for j in jobs]}
-    reply, _ = jobs[0].peer.request(header, b"".join(j.notify for j in jobs),
-                                    deadline=min(j.transfer.deadline for j in jobs) + grace)
+    header, payload, deadline = _notices(jobs, sender, host, grace)
+    reply, _ = jobs[0].peer.request(header, payload, deadline=deadline)
     name = jobs[0].peer.name
     raise_remote(reply, name)
     failed = reply.get("failed") or {}
@@ -132,8 +141,8 @@ def open_landing_lane(peer, deadline: float) -> bool:
 def landing_reply(job: Job, client, pending, grace: float) -> None:
     """The peer's answer to a landing notice (:func:`send_landing_notice`), once the slot was
     written: returns when it delivered, raises what it refused (or the message's failure)."""
-    reply, _ = client.result(pending, job.transfer.deadline + grace)
-    raise_remote(reply, job.peer.name)
+    client.result(pending, job.transfer.deadline + grace)
+    landing_reply_of(pending, job.peer.name)
 
 
 def send_notices(jobs: list[Job], sender: str, host: str = "", grace: float = 0.0):
@@ -141,13 +150,7 @@ def send_notices(jobs: list[Job], sender: str, host: str = "", grace: float = 0.
     message: ``notify_batch`` for several) without waiting for the answer: (client, pending), or
     None where the peer's channel takes one request at a time (then it was answered here). Raises
     where sending failed."""
-    deadline = min(j.transfer.deadline for j in jobs) + grace
-    if len(jobs) == 1:
-        header, payload = {"type": "notify", **_who(sender, host), **_notice(jobs[0], True)}, jobs[0].notify
-    else:
-        header = {"type": "notify_batch", **_who(sender, host),
-                  "batch": [{**_notice(j, True), "payload_bytes": len(j.notify)} for j in jobs]}
-        payload = b"".join(j.notify for j in jobs)
+    header, payload, deadline = _notices(jobs, sender, host, grace, checked=True)
     client = _pipelined(jobs[0].peer)
     if client is None:
         reply, _ = jobs[0].peer.request(header, payload, deadline=deadline)
@@ -203,18 +206,18 @@ def ask_grants(jobs: list[Job], sender: str, host: str, *, block: bool = True, p
     burst's 32 transfers of 128 ids took 0.67-0.73 ms so, against 1.18-1.19). Raises when sending failed
     (then nothing was granted)."""
     now = time.monotonic()
-    packed = packed and PACKED_IDS.itemsize * sum(len(j.peer_ids) for j in jobs) <= packed
+    pack = packed > 0 and PACKED_IDS.itemsize * sum(len(j.peer_ids) for j in jobs) <= packed
     entries = []
     for j in jobs:
         e = {"transfer_id": j.transfer.id, "op": j.op.value, "region": j.peer_region.name,
              "fingerprint": _fingerprint(j.peer_region.layout), "ttl": max(j.transfer.deadline - now, 0.0), "sent": now}
-        if packed:
+        if pack:
             e["nblocks"] = len(j.peer_ids)
         else:
             e["blocks"] = j.peer_ids.tolist()
         entries.append(e)
     header = {"type": "grant", **_who(sender, host), "transfers": entries}
-    payload = b"".join(np.asarray(j.peer_ids, dtype=PACKED_IDS).tobytes() for j in jobs) if packed else b""
+    payload = b"".join(np.asarray(j.peer_ids, dtype=PACKED_IDS).tobytes() for j in jobs) if pack else b""
     deadline = min(j.transfer.deadline for j in jobs)
     client = _pipelined(jobs[0].peer)
     if client is None:

@@ -53,19 +53,20 @@ __all__ = ["Hold", "Grants", "read_changed"]
 
 
 def read_changed(writes: np.ndarray, written: np.ndarray, revoked: np.ndarray, ids: np.ndarray,
-                 started: float) -> str | None:
-    """Why a READ of blocks ``ids`` whose copy began at ``started`` (``time.monotonic`` of this
-    host) may have read bytes changed or given back meanwhile, or None, from a region's busy
-    counts (:class:`_Busy`; a reader in another process maps them). ``writes`` is read before
-    ``written``: a write hold that ends meanwhile is seen live, or ended since ``started``."""
+                 started: float) -> tuple[type, str] | None:
+    """(the refusal's error class, why) where a READ of blocks ``ids`` whose copy began at
+    ``started`` (``time.monotonic`` of this host) may have read bytes changed or given back
+    meanwhile, else None, from a region's busy counts (:class:`_Busy`; a reader in another process
+    maps them). ``writes`` is read before ``written``: a write hold that ends meanwhile is seen
+    live, or ended since ``started``."""
     if not len(ids):
         return None
     if writes[ids].any():
-        return "a transfer writing them is still running"
+        return BlocksBusyError, "a transfer writing them is still running"
     if written[ids].max() >= started:
-        return "a transfer wrote them while it read them"
+        return BlocksBusyError, "a transfer wrote them while it read them"
     if revoked[ids].max() >= started:
-        return "this agent revoked them while it read them"
+        return RevokedError, "this agent revoked them while it read them"
     return None
 
 
@@ -268,10 +269,11 @@ class Grants:
         self._end(h)
         return h
 
-    def check_read(self, region: LocalRegion, ids: np.ndarray, started: float) -> str | None:
-        """Why a one-sided READ of blocks ``ids`` whose copy began at ``started`` (this host's
-        monotonic clock) may have read bytes changed or given back meanwhile, or None. Call it
-        holding :meth:`closing` (one step with the notice's delivery)."""
+    def check_read(self, region: LocalRegion, ids: np.ndarray, started: float) -> tuple[type, str] | None:
+        """(error class, why) where a one-sided READ of blocks ``ids`` whose copy began at
+        ``started`` (this host's monotonic clock) may have read bytes changed or given back
+        meanwhile (:func:`read_changed`), else None. Call it holding :meth:`closing` (one step with
+        the notice's delivery)."""
         busy = self._busy(region)
         return read_changed(busy.writes, busy.written, busy.revoked, ids, started)
 

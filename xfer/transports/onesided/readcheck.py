@@ -22,13 +22,14 @@ as before. What a peer could fake by it is only its own READ's check, which prot
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 import torch
 
 from ...errors import TransportError
-from ...shm import open_segment
+from ...shm import SHM_DIR, open_segment
 
 __all__ = ["BusyTables"]
 
@@ -51,9 +52,11 @@ class BusyTables:
             return None
         hit = self._views.get((name, num_blocks))
         if hit is None:
-            try:
+            try:  # its size first: nothing of another size is mapped
+                if os.stat(os.path.join(SHM_DIR, name)).st_size != 3 * 8 * num_blocks:
+                    return None
                 flat = open_segment(name)
-            except TransportError:
+            except (OSError, TransportError):
                 return None
             if flat.numel() != 3 * 8 * num_blocks:
                 return None

@@ -523,10 +523,10 @@ class OneSidedTransport(Transport):
         (the peer's own check: ``grants.read_changed``) and the peer's liveness; None: it may."""
         t = job.transfer
         writes, written, revoked = busy
-        why = read_changed(writes, written, revoked, job.peer_ids, job.started)
+        changed = read_changed(writes, written, revoked, job.peer_ids, job.started)
         t.mark("checked")
-        if why is not None:
-            cls = RevokedError if "revoked" in why else BlocksBusyError
+        if changed is not None:
+            cls, why = changed
             return cls(f"READ {t.id} from {job.peer.name!r}: {why}; its bytes may be mixed, none is reported "
                        f"complete")
         try:
