@@ -10,8 +10,8 @@ touching CUDA memory run by the Triton kernel or by the copy engines
 without a GPU).
 """
 
-from ._dispatch import (BoundCopy, CopyPath, StagingCopies, copy_blocks, copy_table, gather, scatter, select_path,
-                        set_copy_table, staging_layout, swap_in, swap_out)
+from ._dispatch import (BoundCopy, CopyPath, StagingCopies, copy_blocks, copy_table, gather, order_after_stream,
+                        scatter, select_path, set_copy_table, staging_layout, swap_in, swap_out)
 
 __all__ = ["copy_blocks", "BoundCopy", "StagingCopies", "staging_layout", "gather", "scatter", "swap_out", "swap_in",
-           "CopyPath", "select_path", "copy_table", "set_copy_table"]
+           "CopyPath", "select_path", "copy_table", "set_copy_table", "order_after_stream"]

@@ -987,6 +987,31 @@ def test_gpu_swap_pinned_host_and_streams():
         copy_blocks(dl, dev, [0], hl, [torch.empty_like(t, device="cpu") for t in host], [0])
 
 
+@gpu
+@needs_cuda
+def test_gpu_order_after_stream_only_where_work_is_queued():
+    """``order_after_stream`` (what ``after="stream"`` orders a transfer's copy after): None on an
+    idle current stream; an event that ends after the queued work on a busy one (the default stream
+    or a side stream made current); the query's "not ready" left as no error for torch's next launch."""
+    from xfer.kernels import order_after_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    assert order_after_stream(dev) is None
+    assert order_after_stream(torch.device("cuda")) is None
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time queued
+            event = order_after_stream(dev)
+            assert event is not None and not event.query()
+            x = torch.ones(4, device=dev) * 3  # a launch right after a "not ready" query: no stale error
+            event.synchronize()
+            torch.cuda.synchronize()
+            assert x.sum().item() == 12
+            assert order_after_stream(dev) is None
+
+
 # ---- CUDA: the copy engines ---------------------------------------------------------------------
 def engine_or_skip(path):
     from xfer.kernels import copy_engine as ce

@@ -28,6 +28,7 @@ from .layout import KVLayout
 from .metadata import AgentMetadata, RegionRecord
 from .metrics import Metrics
 from .transfer import Notification, Op, Transfer
+from .kernels import order_after_stream
 from .transports import start as start_transports
 from .transports.completion import raise_remote
 from .transports.base import Job, LocalRegion, PeerHandle, Selection, TransportContext
@@ -318,11 +319,8 @@ class Agent:
             self._inflight.add(transfer)
         ready = None
         if plan.cuda and after is not None:  # order after what the caller queued
-            if isinstance(after, torch.cuda.Event):
-                ready = after
-            else:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(plan.local.device))
+            # an event of the caller's, else one recorded on its current stream (None: nothing queued there)
+            ready = after if isinstance(after, torch.cuda.Event) else order_after_stream(plan.local.device)
         job = Job(transfer=transfer, op=op, local=plan.local, peer=plan.handle, peer_region=plan.record,
                   local_ids=local_ids, peer_ids=peer_ids, notify=notify, ready=ready)
         if hid is not None:
