@@ -10,7 +10,8 @@ transfers are surely in flight when the fault comes), in turn:
   * ``kill -9`` of a peer process while transfers into it are in flight; a replacement process
     under the same name starts in B and the initiator reconnects to it.
 
-Checks: each transfer ends (DONE, or a typed xfer error) by its deadline + ``SLACK`` (hangs);
+Checks: each transfer ends (DONE, or a typed xfer error) by its deadline + ``SLACK`` (the fence's
+grace for the peer's confirmation, ``XFER_FENCE_GRACE_S``, plus 0.75 s; a transfer that has not: a hang);
 each DONE transfer's blocks verify by digest on the peer (corrupt); over the whole run each peer
 is notified of exactly the transfers reported DONE, none twice, none missing, with one counted
 exception (below); no transfer without a fault on its path fails (quiet rounds, in particular
@@ -48,12 +49,16 @@ pytest.importorskip("ucxx", reason="the UCX transport needs ucxx: pip install -e
 from helpers import fill_random  # noqa: E402
 from ucx_helpers import NetnsPair, UcxPeer, netns_skip_reason  # noqa: E402
 from xfer import LayoutKind, errors, make_kv_cache  # noqa: E402
+from xfer import settings  # noqa: E402
 from xfer.bench.target import block_digests  # noqa: E402
 
 SECONDS = float(os.environ.get("XFER_SOAK_SECONDS", "0"))  # 0: just the CI fault cycle
 CONCURRENCY = int(os.environ.get("XFER_SOAK_CONCURRENCY", "60"))  # in flight at once, across the 3 peers
 DEADLINE = 4.0
-SLACK = 0.75  # a transfer must have ended DEADLINE + SLACK after it was posted
+# a transfer must have ended DEADLINE + SLACK after it was posted: its stop begins at the deadline and
+# ucx's fence waits up to fence.grace_s for the peer's confirmation before it closes the connection
+# (a link just back from a long flap may still be in TCP's retransmission backoff), plus scheduling
+SLACK = settings.current().fence.grace_s + 0.75
 FLAPS = [float(s) for s in os.environ.get("XFER_SOAK_FLAPS", f"1.0,{DEADLINE - 0.5}").split(",")]
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(int(SECONDS * 2) + 180)]
