@@ -993,6 +993,7 @@ def test_gpu_order_after_stream_only_where_work_is_queued():
     """``order_after_stream`` (what ``after="stream"`` orders a transfer's copy after): None on an
     idle current stream; an event that ends after the queued work on a busy one (the default stream
     or a side stream made current); the query's "not ready" left as no error for torch's next launch."""
+    from xfer.kernels import _dispatch as d
     from xfer.kernels import order_after_stream
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -1002,6 +1003,7 @@ def test_gpu_order_after_stream_only_where_work_is_queued():
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
+            assert d._current_stream().cuda_stream == stream.cuda_stream  # (kept by its raw handle)
             torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time queued
             event = order_after_stream(dev)
             assert event is not None and not event.query()
