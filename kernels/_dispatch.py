@@ -350,7 +350,8 @@ def order_after_stream(device: torch.device) -> torch.cuda.Event | None:
     wait cost a lone transfer ~15 us of host time on an H100 host). Work queued after this call is
     not ordered either way."""
     index = torch.cuda.current_device() if device.index is None else device.index
-    raw = torch._C._cuda_getCurrentRawStream(index)
+    stream = _current_stream(index)
+    raw = stream.cuda_stream
     # the legacy and per-thread default streams' handles name the *current* device's: asked only there
     if raw not in (0, 1, 2) or index == torch.cuda.current_device():
         from .copy_engine import stream_idle
@@ -358,11 +359,12 @@ def order_after_stream(device: torch.device) -> torch.cuda.Event | None:
         if stream_idle(raw):
             return None
     event = torch.cuda.Event()
-    event.record(_current_stream(index))
+    event.record(stream)
     return event
 
 
 _CURRENT: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> its Stream object
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> current stream's handle
 
 
 def _current_stream(index: int | None = None) -> torch.cuda.Stream:
@@ -372,7 +374,9 @@ def _current_stream(index: int | None = None) -> torch.cuda.Stream:
     copy uses of it."""
     if index is None:
         index = torch.cuda.current_device()
-    raw = torch._C._cuda_getCurrentRawStream(index)
+    if _RAW_STREAM is None:  # (a torch without the binding Triton also uses)
+        return torch.cuda.current_stream(index)
+    raw = _RAW_STREAM(index)
     stream = _CURRENT.get((index, raw))
     if stream is None:
         if len(_CURRENT) >= 256:

@@ -987,6 +987,44 @@ def test_gpu_swap_pinned_host_and_streams():
         copy_blocks(dl, dev, [0], hl, [torch.empty_like(t, device="cpu") for t in host], [0])
 
 
+@pytest.mark.parametrize("idle, device, raw, asked, event", [
+    (True, 0, 0, True, False),  # the current device's idle stream: nothing to wait for
+    (False, 0, 0, True, True),  # work queued there: an event recorded on it
+    (None, 0, 77, True, True),  # the runtime could not say: an event, as before
+    (True, 1, 0, False, True),  # another device's legacy stream handle names the current device's: not asked
+    (True, 1, 77, True, False),  # another device's own stream: asked
+])
+def test_order_after_stream_decides_by_the_query(monkeypatch, idle, device, raw, asked, event):
+    """The ordering ``after="stream"`` adds (``order_after_stream``), by what the stream query says,
+    without a GPU: the query and the event are stand-ins."""
+    from xfer.kernels import _dispatch as d
+    from xfer.kernels import copy_engine
+
+    class Stream:
+        cuda_stream = raw
+
+    class Event:
+        made = []
+
+        def __init__(self):
+            Event.made.append(self)
+
+        def record(self, stream):
+            self.on = stream
+
+    queries = []
+    stream = Stream()
+    monkeypatch.setattr(d, "_current_stream", lambda index=None: stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(copy_engine, "stream_idle", lambda handle: queries.append(handle) or idle)
+    got = d.order_after_stream(torch.device("cuda", device))
+    assert queries == ([raw] if asked else [])
+    assert (got is not None) == event and len(Event.made) == int(event)
+    if event:
+        assert got.on is stream
+
+
 @gpu
 @needs_cuda
 def test_gpu_order_after_stream_only_where_work_is_queued():
