@@ -346,18 +346,12 @@ class BoundCopy:
 def order_after_stream(device: torch.device) -> torch.cuda.Event | None:
     """What a copy queued on another stream waits for so that it comes after the work already
     queued on ``device``'s current stream: an event recorded there now, or None where that stream
-    has nothing left to run (one ``cudaStreamQuery``: an event, its record and the copy stream's
-    wait cost a lone transfer ~15 us of host time on an H100 host). Work queued after this call is
-    not ordered either way."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    stream = _current_stream(index)
-    raw = stream.cuda_stream
-    # the legacy and per-thread default streams' handles name the *current* device's: asked only there
-    if raw not in (0, 1, 2) or index == torch.cuda.current_device():
-        from .copy_engine import stream_idle
-
-        if stream_idle(raw):
-            return None
+    has nothing left to run (torch's ``Stream.query`` of the stream object kept by
+    :func:`_current_stream`: the event, its record and the copy stream's wait cost a lone transfer
+    ~15 us of host time on an H100 host). Work queued after this call is not ordered either way."""
+    stream = _current_stream(torch.cuda.current_device() if device.index is None else device.index)
+    if stream.query():
+        return None
     event = torch.cuda.Event()
     event.record(stream)
     return event

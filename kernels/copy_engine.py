@@ -51,7 +51,7 @@ import numpy as np
 from xfer.errors import InvalidArgumentError, TransportError, TransportUnavailableError
 from xfer.layout import KVLayout, pair_runs
 
-__all__ = ["MODES", "MAX_BATCH", "stream_idle", "CopyEnginePlan", "build_runs", "coalesce_2d", "prepare", "plan_for",
+__all__ = ["MODES", "MAX_BATCH", "CopyEnginePlan", "build_runs", "coalesce_2d", "prepare", "plan_for",
            "available", "runtime_info"]
 
 MODES = ("batch", "2d", "runs")
@@ -61,7 +61,6 @@ MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 BATCH_MIN_VERSION = 12080
 _DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
-_NOT_READY = 600  # cudaErrorNotReady
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy: refused by cudaMemcpyBatchAsync
 
 
@@ -133,8 +132,6 @@ class _Runtime:
         self.memcpy = lib.cudaMemcpyAsync
         self.memcpy.argtypes, self.memcpy.restype = [vp, vp, sz, i32, vp], i32
         self.memcpy2d = lib.cudaMemcpy2DAsync
-        self.stream_query = lib.cudaStreamQuery
-        self.stream_query.argtypes, self.stream_query.restype = [vp], i32
         self.memcpy2d.argtypes, self.memcpy2d.restype = [vp, sz, vp, sz, sz, sz, i32, vp], i32
         lib.cudaGetErrorName.argtypes, lib.cudaGetErrorName.restype = [i32], ctypes.c_char_p
         lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [i32], ctypes.c_char_p
@@ -204,21 +201,6 @@ def _load_runtime() -> "_Runtime | str":
         except (OSError, AttributeError) as exc:
             errors.append(f"{path}: {exc}")
     return "found no usable libcudart (" + ("; ".join(errors) or "none mapped into this process") + ")"
-
-
-def stream_idle(stream: int) -> bool | None:
-    """Whether the CUDA stream ``stream`` (a raw handle) has nothing left to run (``cudaStreamQuery``,
-    ~1 us; torch's ``Stream.query`` needs the stream object, whose lookup costs ~4 us on a GPU
-    host): True, False, or None where it cannot be asked (no runtime, an error: left for the
-    caller's own CUDA calls to report)."""
-    rt = _RUNTIME[0] if _RUNTIME else _runtime()
-    if isinstance(rt, str):
-        return None
-    rc = rt.stream_query(stream)
-    if rc == 0:
-        return True
-    rt.lib.cudaGetLastError()  # not ready is no error: cleared as torch clears it (it checks the last error)
-    return False if rc == _NOT_READY else None
 
 
 def runtime_info() -> dict:

@@ -987,21 +987,15 @@ def test_gpu_swap_pinned_host_and_streams():
         copy_blocks(dl, dev, [0], hl, [torch.empty_like(t, device="cpu") for t in host], [0])
 
 
-@pytest.mark.parametrize("idle, device, raw, asked, event", [
-    (True, 0, 0, True, False),  # the current device's idle stream: nothing to wait for
-    (False, 0, 0, True, True),  # work queued there: an event recorded on it
-    (None, 0, 77, True, True),  # the runtime could not say: an event, as before
-    (True, 1, 0, False, True),  # another device's legacy stream handle names the current device's: not asked
-    (True, 1, 77, True, False),  # another device's own stream: asked
-])
-def test_order_after_stream_decides_by_the_query(monkeypatch, idle, device, raw, asked, event):
-    """The ordering ``after="stream"`` adds (``order_after_stream``), by what the stream query says,
-    without a GPU: the query and the event are stand-ins."""
+@pytest.mark.parametrize("idle, device", [(True, None), (False, None), (True, 1), (False, 1)])
+def test_order_after_stream_decides_by_the_query(monkeypatch, idle, device):
+    """The ordering ``after="stream"`` adds (``order_after_stream``), by what the query of the
+    region device's current stream says, without a GPU: the stream and the event are stand-ins."""
     from xfer.kernels import _dispatch as d
-    from xfer.kernels import copy_engine
 
     class Stream:
-        cuda_stream = raw
+        def query(self):
+            return idle
 
     class Event:
         made = []
@@ -1012,17 +1006,16 @@ def test_order_after_stream_decides_by_the_query(monkeypatch, idle, device, raw,
         def record(self, stream):
             self.on = stream
 
-    queries = []
-    stream = Stream()
-    monkeypatch.setattr(d, "_current_stream", lambda index=None: stream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked, stream = [], Stream()
+    monkeypatch.setattr(d, "_current_stream", lambda index=None: asked.append(index) or stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(copy_engine, "stream_idle", lambda handle: queries.append(handle) or idle)
-    got = d.order_after_stream(torch.device("cuda", device))
-    assert queries == ([raw] if asked else [])
-    assert (got is not None) == event and len(Event.made) == int(event)
-    if event:
-        assert got.on is stream
+    got = d.order_after_stream(torch.device("cuda", device) if device is not None else torch.device("cuda"))
+    assert asked == [3 if device is None else device]  # that device's current stream
+    if idle:
+        assert got is None and not Event.made
+    else:
+        assert Event.made == [got] and got.on is stream
 
 
 @gpu
