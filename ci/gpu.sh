@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|multigpu|all]...
-# (default: all; copycal, the kernel vs copy-engine calibration that writes the auto table, repeat,
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|multigpu|ab|all]...
+# (default: all; ab, ipc_bench of a base tree (XFER_AB_BASE) and this one alternated (see the step);
+# copycal, the kernel vs copy-engine calibration that writes the auto table, repeat,
 # which runs the GPU tests named by XFER_GPU_REPEAT_TESTS XFER_GPU_REPEAT times (default: the TP
 # engine test, 8) to count intermittent failures, and multigpu, run only when named)
 # multigpu (issue 33; docs/multigpu.md): every measurement across GPUs of this machine, GPU 0 -> GPU 1
@@ -104,6 +105,25 @@ for step in $what; do
       failed=$(grep -cE "failed|error" "$OUT/repeat.log")
       echo "repeat: $tests, $n runs, $failed with a failure" | tee -a "$OUT/repeat.log"
       [ "$failed" -eq 0 ] || rc=1 ;;
+    ab)
+      # a same-run A/B of ipc_bench (issue 32): a base tree (XFER_AB_BASE: a folder holding xfer/, kernels/
+      # and engine/, e.g. `git archive <commit> xfer kernels engine | tar -x -C .gpujob/base`, carried) and
+      # this tree, alternated XFER_AB_RUNS times (default 3), one process pair per run, both with this
+      # tree's bench/; XFER_IPC_ARGS as for the ipc step (e.g. --no-copy-paths --pull-burst --lone-iters 300)
+      if [ -z "${XFER_AB_BASE:-}" ] || [ ! -d "${XFER_AB_BASE}/xfer" ]; then
+        echo "gpu.sh ab: set XFER_AB_BASE to a base tree holding xfer/, kernels/, engine/" >&2; rc=1; continue
+      fi
+      for v in base head; do
+        d=/tmp/ab-$v; rm -rf "$d"; mkdir -p "$d"; from=$([ $v = base ] && echo "$XFER_AB_BASE" || echo "$PWD")
+        cp -r "$from/xfer" "$d/xfer"; for sub in kernels engine; do cp -r "$from/$sub" "$d/xfer/$sub"; done
+        cp -r bench "$d/xfer/bench"
+      done
+      for i in $(seq 1 "${XFER_AB_RUNS:-3}"); do for v in base head; do
+        (cd /tmp && export PYTHONPATH=/tmp/ab-$v${PYTHONPATH:+:$PYTHONPATH} && run_step AB python3 -m xfer.bench.ipc_bench \
+          --out "$OUT/ab-$i-$v.json" ${XFER_IPC_ARGS:-} > "$OUT/ab-$i-$v.log" 2>&1); code=$?; rc=$((rc | code))
+        { echo "ab run $i $v (rc $code):"; grep -E "ceiling\)|one request|back to back|read" "$OUT/ab-$i-$v.log" \
+          | grep -v "^  "; } | tee -a "$OUT/ab.log"
+      done; done ;;
     copycal)
       run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     multigpu)
