@@ -249,6 +249,27 @@ def _profile_writes(write, prep, grant, n: int = 40) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
+class _Rows(list):
+    """The table's rows; each one also goes to stderr as it is measured, with the seconds since the
+    bench started, so that a run stopped part way (a time limit) shows how far it came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t0 = time.monotonic()
+
+    def say(self, what: str) -> None:
+        print(f"[ipc_bench +{time.monotonic() - self.t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.say(f"{row['name']}: {row['ms']:.3f} ms")
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
 def main(argv=None) -> dict:
     from xfer import Agent, AgentConfig, LayoutKind, make_kv_cache
     from xfer.bench.target import Target, block_digests
@@ -315,8 +336,9 @@ def main(argv=None) -> dict:
     # both caches hold 8 requests' worth of blocks: in a stream, request i moves its own blocks
     # (the i-th of 8 sets) into its own free blocks, as engines place them
     cache = {**dims, "num_blocks": 8 * 128}
+    rows = _Rows()
     target = Target(kind, cache, f"cuda:{args.peer_device}")
-    rows = []
+    rows.say("target started")
     try:
         tensors, layout = make_kv_cache(kind, device=dev, **cache)
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -337,6 +359,7 @@ def main(argv=None) -> dict:
             verified = clean and digests == block_digests(layout, tensors, src)
             if not verified:
                 raise SystemExit("ipc bench: destination bytes differ from the source; refusing to time")
+            rows.say("first write verified")
             a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             ceil_ms, _ = median_ms(lambda: b.copy_(a), args.iters)
@@ -472,7 +495,9 @@ def main(argv=None) -> dict:
                 t.wait()
             target.call("drain")
     finally:
+        rows.say("closing the target")
         target.close()
+        rows.say("target closed")
     for r in rows:
         r["gb_per_s"] = nbytes / (r["ms"] * 1e-3) / 1e9
         r["ratio_to_ceiling"] = ceil_ms / r["ms"]
