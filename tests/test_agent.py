@@ -392,11 +392,23 @@ def test_send_delivers_a_message_without_blocks(pair):
         pair.a.send(pair.peer, b"late", timeout=0.3)
 
 
-def test_notices_of_a_burst_share_messages_and_each_stands_alone(pair, monkeypatch):
+def test_notices_of_a_burst_share_messages_and_each_stands_alone(monkeypatch):
     """Transfers to one peer whose copies ended while a notice was in flight go in one
     ``notify_batch`` message; every transfer still gets its own notification, in order, with its
-    payload, and a notice the peer refuses fails only its own transfer."""
+    payload, and a notice the peer refuses fails only its own transfer. (Early notices off: the
+    burst's first, lone write would otherwise send its notice at its launch, not through the slow
+    first round trip the burst queues behind.)"""
     from xfer.transports import completion
+
+    monkeypatch.setenv("XFER_NOTICE_EARLY", "0")
+    pair = Pair(LayoutKind.VLLM_FLASH_ATTN_NHD)
+    try:
+        _burst_notices(pair, monkeypatch, completion)
+    finally:
+        pair.close()
+
+
+def _burst_notices(pair, monkeypatch, completion):
 
     sizes, real_single, real_batch = [], completion.notify_peer, completion.notify_peer_batch
 
