@@ -1,5 +1,6 @@
 """The UCX transport between two hosts: network namespaces A and B joined by a veth pair
-(ci/netns.sh), one agent process in each, different host ids. The seed workload and many
+(ci/netns.sh), one agent process in each (one kernel, so the same host id; each pinned to UCX over
+TCP on its end of the veth: UCX_TLS=tcp, UCX_NET_DEVICES). The seed workload and many
 concurrent small requests byte-exact, the link cut mid-transfer, kill -9 of the peer mid-transfer."""
 
 from __future__ import annotations
