@@ -217,3 +217,41 @@ def test_opening_a_connection_to_a_peer_that_never_answers_ends_by_its_deadline(
         client.close()
     finally:
         quiet.close()
+
+
+def test_poll_reply_never_waits_and_leaves_the_request_in_flight(channel):
+    """``poll_reply`` reads only what the connection holds now: with the reply not sent yet it
+    returns False at once (not after the reading socket's timeout, which an earlier waiter set to
+    its own deadline), the request stays in flight, and its reply is taken when it comes."""
+    server, client, seen, hold = channel
+    client.request({"n": 0}, deadline=time.monotonic() + 5)  # a waiter set the reading socket's timeout
+    slow = client.submit({"n": 1, "slow": True}, deadline=time.monotonic() + 5)
+    for _ in range(3):
+        t0 = time.monotonic()
+        assert client.poll_reply(slow) is False
+        assert time.monotonic() - t0 < 0.5, "poll_reply waited for the reply"
+    assert not slow.done and slow.error is None  # still in flight: the connection is not failed
+    hold.set()
+    until = time.monotonic() + 5
+    while not client.poll_reply(slow):
+        assert time.monotonic() < until, "the reply never came"
+        time.sleep(0.005)
+    reply, _ = client.result(slow, time.monotonic() + 1)
+    assert reply["n"] == 1 and seen == [0, 1] and server.connections == 1
+
+
+def test_poll_reply_after_a_waiter_gave_up_does_not_fail_the_connection(channel):
+    """A waiter that gave up at its deadline leaves the reading socket's timeout at what little it
+    had left; a ``poll_reply`` after it, with the next reply not sent yet, must neither wait that
+    out nor take the empty wait for a broken stream (which would fail every request in flight on a
+    healthy connection with PeerDisconnectedError)."""
+    server, client, seen, hold = channel
+    slow = client.submit({"n": 1, "slow": True}, deadline=time.monotonic() + 5)
+    with pytest.raises(TransferTimeoutError):
+        client.result(slow, time.monotonic() + 0.05)
+    later = client.submit({"n": 2}, b"z", deadline=time.monotonic() + 5)  # answered after the slow one
+    assert client.poll_reply(later) is False
+    assert not later.done and later.error is None
+    hold.set()
+    reply, payload = client.result(later, time.monotonic() + 5)
+    assert (reply["n"], payload) == (2, b"z") and seen == [1, 2] and server.connections == 1

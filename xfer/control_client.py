@@ -208,7 +208,8 @@ class ControlClient:
                 self._take_frames(gen)
                 if not _ready(sock, select.POLLIN, 0.0):
                     break
-                data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                sock.setblocking(False)  # (see _read_until: a timeout would poll before the recv)
+                data = sock.recv(1 << 16)
                 if not data:
                     break
                 with self._cv:
@@ -380,8 +381,11 @@ class ControlClient:
                 if len(self._buf) >= size and self._take_frames(gen):
                     continue
                 if not wait:
+                    # timeout 0 first: a Python socket with a timeout polls for up to that timeout
+                    # before any recv, MSG_DONTWAIT or not (a waiter's deadline was left set here)
+                    sock.setblocking(False)
                     try:
-                        data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                        data = sock.recv(1 << 16)
                     except (BlockingIOError, InterruptedError):
                         return
                 else:
