@@ -50,7 +50,8 @@ def _spin_recv(sock: socket.socket, window: float) -> bytes | None:
     """What ``sock`` has within ``window`` seconds, polled without sleeping (each try a
     non-blocking recv, the GIL released in it); None: nothing came (the caller sleeps in recv)."""
     end = time.monotonic() + window
-    sock.setblocking(False)
+    if sock.gettimeout() != 0.0:  # (the reading socket is kept non-blocking: no fcntl per call)
+        sock.setblocking(False)
     while True:
         try:
             return sock.recv(1 << 16)
@@ -208,8 +209,7 @@ class ControlClient:
                 self._take_frames(gen)
                 if not _ready(sock, select.POLLIN, 0.0):
                     break
-                sock.setblocking(False)  # (see _read_until: a timeout would poll before the recv)
-                data = sock.recv(1 << 16)
+                data = sock.recv(1 << 16)  # (non-blocking: see _read_until)
                 if not data:
                     break
                 with self._cv:
@@ -373,7 +373,9 @@ class ControlClient:
     def _read_until(self, p: Pending, gen: int, sock, deadline: float, wait: bool = True) -> None:
         """Read replies (handing each to its request) until ``p`` has one, the deadline passed
         (nothing lost: bytes read stay buffered) or the stream broke (every request fails).
-        ``sock``: the connection's reading socket (its own timeout: senders set theirs).
+        ``sock``: the connection's reading socket, non-blocking (a Python socket with a timeout
+        polls for up to that long before any recv, MSG_DONTWAIT or not: a look that must not wait
+        would wait): a wait polls for readiness until the deadline, then reads what came.
         ``wait`` False: only what the connection holds now (the deadline is not looked at)."""
         size = frames.PREFIX.size
         try:
@@ -381,9 +383,6 @@ class ControlClient:
                 if len(self._buf) >= size and self._take_frames(gen):
                     continue
                 if not wait:
-                    # timeout 0 first: a Python socket with a timeout polls for up to that timeout
-                    # before any recv, MSG_DONTWAIT or not (a waiter's deadline was left set here)
-                    sock.setblocking(False)
                     try:
                         data = sock.recv(1 << 16)
                     except (BlockingIOError, InterruptedError):
@@ -397,10 +396,11 @@ class ControlClient:
                         return
                     data = _spin_recv(sock, min(self._spin_s, left)) if self._spin_s else None
                     if data is None:
-                        sock.settimeout(left)
+                        if not _ready(sock, select.POLLIN, left):
+                            continue  # the deadline (checked above)
                         try:
                             data = sock.recv(1 << 16)
-                        except (BlockingIOError, InterruptedError, socket.timeout):  # the deadline (checked above)
+                        except (BlockingIOError, InterruptedError):  # (readiness without bytes: polled again)
                             continue
                 if not data:
                     raise ConnectionError("connection closed by peer")
@@ -501,6 +501,7 @@ class ControlClient:
             if not self._reading:  # (else the reader closes them when it is done)
                 stale, self._stale = self._stale, []
             self._rsock = self._sock.dup()
+            self._rsock.setblocking(False)  # (a dup keeps the sender's timeout: see _read_until)
             self._session = Session(key, outgoing=True)
             self._buf += self._rest  # (nothing comes before the first reply; were it so, it is read as one)
             self._rest = b""
