@@ -48,7 +48,7 @@ def _ready(sock: socket.socket, event: int, timeout: float) -> bool:
 
 def _spin_recv(sock: socket.socket, window: float) -> bytes | None:
     """What ``sock`` has within ``window`` seconds, polled without sleeping (each try a
-    non-blocking recv, the GIL released in it); None: nothing came (the caller sleeps in recv)."""
+    non-blocking recv, the GIL released in it); None: nothing came (the caller then sleeps in poll)."""
     end = time.monotonic() + window
     if sock.gettimeout() != 0.0:  # (the reading socket is kept non-blocking: no fcntl per call)
         sock.setblocking(False)
@@ -84,7 +84,7 @@ class ControlClient:
         self.unix = unix
         self._id, self._name = identity
         self._peer_id, self._max_header = peer_id, max_header
-        self._spin_s = spin_s  # a reply is polled for this long before the reader sleeps in recv
+        self._spin_s = spin_s  # a reply is polled for this long before the reader sleeps in poll
         self._sock: socket.socket | None = None
         self._session: Session | None = None
         self._proof = b""  # our PROOF, sent in front of the first request
