@@ -133,3 +133,33 @@ def test_many_lone_reads_leave_no_unread_answers_behind(pair, caplog):
     assert not [r for r in caplog.records if "not delivered" in r.getMessage()]
     assert_blocks_equal(lb, tb, list(range(8)), la, ta, list(range(16, 24)))
     assert_untouched(la, ta, list(range(16, 24)))
+
+
+def test_a_read_launches_without_waiting_for_an_earlier_notices_answer(pair):
+    """The worker looks at earlier READs' notice answers at each launch and never waits for them
+    (``ControlClient.poll_reply``): with the target's answer to the first READ's notice held for
+    1.5 s, three more READs, each posted once the one before ended, all end DONE well before that
+    answer comes (a look that waited would hold every later launch behind it); the bytes are the
+    target's, the other blocks still poisoned, and every notice is delivered."""
+    import threading
+
+    a, b, peer, (ta, la), (tb, lb) = pair
+    real, held = b._server._handler, threading.Event()
+
+    def handler(header, payload):
+        if str(header.get("type", "")).startswith("notify") and not held.is_set():
+            held.set()
+            time.sleep(1.5)  # the first notice's answer (the target's server loop held meanwhile)
+        return real(header, payload)
+
+    b._server._handler = handler
+    assert a.read(peer, [4], [1], notify=b"r0").wait() is TransferState.DONE
+    assert held.wait(3), "the first READ's notice never reached the target"
+    t0 = time.monotonic()
+    for i, (s, d) in enumerate(((5, 2), (6, 3), (7, 4))):
+        assert a.read(peer, [s], [d], notify=b"r%d" % (i + 1)).wait() is TransferState.DONE
+    took = time.monotonic() - t0
+    assert took < 1.0, f"three reads took {took:.2f} s behind a held notice answer"
+    assert_blocks_equal(lb, tb, [4, 5, 6, 7], la, ta, [1, 2, 3, 4])
+    assert_untouched(la, ta, [1, 2, 3, 4])
+    assert sorted(n.payload for n in _notes(b, 4, timeout=5.0)) == [b"r0", b"r1", b"r2", b"r3"]
