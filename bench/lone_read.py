@@ -26,6 +26,20 @@ DIMS = dict(num_layers=4, num_blocks=64, block_size=16, num_heads=1, head_dim=64
 KIND = "vllm_flash_attn_nhd"
 
 
+def _check(conn, tensors, layout, pairs) -> None:
+    """Our blocks ``d`` hold the target's blocks ``s`` for every (s, d) of ``pairs`` (the target's
+    cache fetched over the bench's pipe)."""
+    import torch
+
+    conn.send("digest")
+    theirs = [torch.frombuffer(bytearray(r), dtype=torch.uint8).view(t.dtype).view(t.shape)
+              for r, t in zip(conn.recv(), tensors)]
+    for mine, other in zip(layout.views(tensors), layout.views(theirs)):
+        for s, d in pairs:
+            assert torch.equal(mine[d].contiguous().view(-1).view(torch.uint8),
+                               other[s].contiguous().view(-1).view(torch.uint8)), f"read bytes differ ({s} -> {d})"
+
+
 def run(blocks: int, reads: int, gap: float, burst: int = 0) -> dict:
     import torch
 
@@ -46,18 +60,13 @@ def run(blocks: int, reads: int, gap: float, burst: int = 0) -> dict:
             a.register("kv", tensors, layout)
             peer = a.connect(md)
             a.read(peer, src, dst).wait()  # checked once: our blocks dst hold the target's blocks src
-            conn.send("digest")
-            theirs = [torch.frombuffer(bytearray(r), dtype=torch.uint8).view(t.dtype).view(t.shape)
-                      for r, t in zip(conn.recv(), tensors)]
-            for mine, other in zip(layout.views(tensors), layout.views(theirs)):
-                assert torch.equal(mine[dst].contiguous().view(-1).view(torch.uint8),
-                                   other[src].contiguous().view(-1).view(torch.uint8)), "read bytes differ"
+            _check(conn, tensors, layout, [(src, dst)])
             for _ in range(50):
                 a.read(peer, src, dst).wait()
             lat, checked = [], 0
-            sets = [(list(range(i * blocks, (i + 1) * blocks)), list(range(32 - blocks * burst + i * blocks,
-                                                                           32 - blocks * burst + (i + 1) * blocks)))
-                    for i in range(burst)]  # --burst: read i moves its own blocks into its own free blocks
+            base = 32 - blocks * burst  # --burst: read i moves its own blocks into its own free blocks
+            sets = [(list(range(i * blocks, (i + 1) * blocks)), list(range(base + i * blocks, base + (i + 1) * blocks)))
+                    for i in range(burst)]
             for _ in range(reads):
                 time.sleep(gap)
                 t0 = time.perf_counter()
@@ -73,13 +82,7 @@ def run(blocks: int, reads: int, gap: float, burst: int = 0) -> dict:
                 lat.append(time.perf_counter() - t0)
                 checked += "checked" in t.timeline()
             if burst:  # every burst's blocks are the target's (checked after the timing: it reads the target)
-                conn.send("digest")
-                theirs = [torch.frombuffer(bytearray(r), dtype=torch.uint8).view(t.dtype).view(t.shape)
-                          for r, t in zip(conn.recv(), tensors)]
-                for mine, other in zip(layout.views(tensors), layout.views(theirs)):
-                    for s, d in sets:
-                        assert torch.equal(mine[d].contiguous().view(-1).view(torch.uint8),
-                                           other[s].contiguous().view(-1).view(torch.uint8)), "burst bytes differ"
+                _check(conn, tensors, layout, sets)
             conn.send("handled")  # (drains the target's notifications)
             conn.recv()
     finally:
