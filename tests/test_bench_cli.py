@@ -259,3 +259,30 @@ def test_presets_and_fitting():
     env = dist_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[03-05,07],cpu1",
                     "SLURM_JOB_ID": "77"})
     assert (env.source, env.rank, env.host, env.port) == ("slurm", 1, "gpu03", 29500)
+
+
+def test_block_digests_threaded_path_matches_slot_by_slot_hashes():
+    """A large check hashes its slots on threads (bench/target.py): the same digest per slot, in
+    slot order, as BLAKE2b of each slot's blocks in id order; one changed byte changes its slot's only."""
+    import hashlib
+
+    import torch
+
+    from xfer import make_kv_cache
+    from xfer.bench.target import block_digests
+
+    tensors, layout = make_kv_cache("vllm_flash_attn_nhd", device="cpu", num_layers=4, num_blocks=64, block_size=16,
+                                    num_heads=8, head_dim=128)
+    gen = torch.Generator().manual_seed(1)
+    for t in tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    ids = list(range(63, -1, -2))  # 32 blocks x 256 KiB: above the threaded path's 8 MiB
+    assert len(ids) * layout.bytes_per_block >= 8 << 20
+    views = layout.views(tensors)
+    want = [hashlib.blake2b(v[torch.as_tensor(ids)].contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+                            digest_size=16).hexdigest() for v in views]
+    got = block_digests(layout, tensors, ids)
+    assert got == want and len(set(got)) == len(got)
+    views[3][ids[5]].view(-1).view(torch.uint8)[100] ^= 1  # one bit of one block of slot 3
+    changed = block_digests(layout, tensors, ids)
+    assert [i for i, (a, b) in enumerate(zip(got, changed)) if a != b] == [3]
