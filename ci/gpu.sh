@@ -15,8 +15,9 @@
 # --budget-s, default 540 s; the step's limit XFER_GPU_S_MULTIGPU defaults to 570 s).
 # Each step runs under its own time limit (XFER_GPU_S_TESTS, _KERNELS, _IPC, _PROBE, _NVSHMEM, _UCX, _XFERBENCH,
 # _ENGINE, else XFER_GPU_STEP_S, default 300 s; tests: XFER_GPU_TEST_S per
-# test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. With XFER_GPU_BUNDLE=1 every file
-# written is also packed into $OUT/gpu-out.tgz (the device tool returns at most 8 files).
+# test, default 120 s; XFER_GPU_TESTS picks test files), so one hang cannot eat the whole lease. Every file written
+# is packed into $OUT/gpu-out.tgz, beside the test log, env.txt and multigpu.json/.md (the device tool
+# returns at most 8 files a call: stop 46 lost five of a call's logs); XFER_GPU_BUNDLE=0 keeps them loose.
 # Carry the wheels (.whl/: nvshmem4py-cu13, ucxx-cu13 and its libs; see the device notes) for the
 # nvshmem and ucx parts; without them those tests skip with the reason.
 set -uo pipefail
@@ -137,7 +138,7 @@ for step in $what; do
         | tee "$OUT/engine-swap.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
-if [ -n "${XFER_GPU_BUNDLE:-}" ]; then
+if [ "${XFER_GPU_BUNDLE:-1}" != 0 ]; then
   tar czf /tmp/gpu-out.tgz -C "$OUT" . && mv /tmp/gpu-out.tgz "$OUT/gpu-out.tgz"
   find "$OUT" -mindepth 1 ! -name gpu-out.tgz ! -name pytest-gpu.log ! -name env.txt ! -path "$OUT/multigpu.json" \
     ! -path "$OUT/multigpu.md" -delete
