@@ -42,6 +42,8 @@ def block_digests(layout, tensors, ids) -> list[str]:
     workers = min(8, os.cpu_count() or 1, len(views))
     if workers < 2 or len(idx) * layout.bytes_per_block < (8 << 20):
         return [_slot_digest(v, idx) for v in views]
+    for device in {v.device for v in views if v.is_cuda}:  # the threads read on their default streams:
+        torch.cuda.synchronize(device)  # what the caller's current stream still writes lands first
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="xfer-bench-digest") as pool:
         return list(pool.map(_slot_digest, views, [idx] * len(views)))
 
