@@ -26,8 +26,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from xfer import settings
 from xfer.errors import InvalidArgumentError
 from xfer.layout import KVLayout
+from xfer.native import C as _C
 
 __all__ = ["CopyPlan", "prepare"]
 
@@ -118,6 +120,46 @@ def _launch(grid: int, args: tuple, num_warps: int, device: int, stream: torch.c
         compiled[(grid, 1, 1)](*args)
     else:
         compiled[(grid, 1, 1)](*args, stream=stream.cuda_stream)
+
+
+def _native_spec(key: tuple, grid: int, args: tuple, device: int) -> bytes | None:
+    """The fixed part of a launch of the compiled kernel ``key`` by xfer's C helpers
+    (``xfer.native``: ``cuLaunchKernel`` with the arguments packed once), or None where that
+    kernel's launch needs more than a plain ``cuLaunchKernel`` (scratch memory, clusters, launch
+    hooks, an argument list other than two int64 pointers and ten integers) or it is not compiled yet:
+    Triton's launcher then keeps launching it."""
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        return None
+    try:
+        md, src = compiled.metadata, compiled.src
+        kinds = [src.signature[name] for name in src.fn.arg_names if src.signature[name] != "constexpr"]
+        knobs = getattr(triton, "knobs", None)  # (a profiler's launch hooks: checked when the spec is made)
+        hooks = knobs is not None and (_hooked(knobs.runtime.launch_enter_hook) or
+                                       _hooked(knobs.runtime.launch_exit_hook))
+        if (hooks or kinds[:2] != ["*i64", "*i64"] or len(kinds) != 12 or
+                any(k not in ("i32", "i64") for k in kinds[2:]) or getattr(md, "num_ctas", 1) != 1 or
+                getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False) or
+                getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0) or
+                md.shared > 227 * 1024 or getattr(compiled.run, "gsan_enabled", False)):
+            return None
+        compiled._init_handles()
+        wide = sum(1 << i for i, k in enumerate(kinds[2:]) if k == "i64")
+        return _C.pack_spec(compiled.function, args[0].data_ptr(), grid, md.num_warps * getattr(md, "warp_size", 32),
+                            md.shared, device, tuple(args[2:12]), wide)
+    except (AttributeError, KeyError, TypeError, ValueError):  # another Triton's internals: its own launcher
+        return None
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set (a hook chain counts only with a hook in it)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def native_launch(device: torch.device) -> bool:
+    """Whether kernel copies between long-lived sides on ``device`` upload their ids and launch by
+    xfer's C helpers (built, ``XFER_NATIVE`` not off, a CUDA device)."""
+    return _C is not None and device.type == "cuda" and settings.current().copy.native
 
 
 _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -265,12 +307,14 @@ class _IdsRing:
         self.next = 0
         self.lock = threading.Lock()  # copies may run on several threads
 
-    def upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream, memcpy):
-        """(device ids ``[src..., dst...]``, the entry to release) or None when every entry (``MAX``) is busy."""
+    def upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream, put):
+        """(device ids ``[src..., dst...]``, the entry to release) or None when every entry (``MAX``)
+        is busy. ``put(entry, src_ids, dst_ids, stream)`` fills the entry's pinned buffer and queues its
+        upload on ``stream`` (:func:`_put_memcpy`, :func:`_put_native`)."""
         with self.lock:
-            return self._upload(src_ids, dst_ids, stream, memcpy)
+            return self._upload(src_ids, dst_ids, stream, put)
 
-    def _upload(self, src_ids, dst_ids, stream, memcpy):
+    def _upload(self, src_ids, dst_ids, stream, put):
         n = len(src_ids)
         size = len(self.entries)
         for _ in range(size):
@@ -291,12 +335,7 @@ class _IdsRing:
                     dev = torch.empty(size, dtype=torch.int64, device=self.device)
                 # [pinned, device, event, pinned as numpy, addresses, device views by n]
                 entry = self.entries[i] = [host, dev, None, host.numpy(), (dev.data_ptr(), host.data_ptr()), {}]
-            host = entry[3]
-            host[:n] = src_ids
-            host[n:2 * n] = dst_ids
-            rc = memcpy(*entry[4], 16 * n, 1, stream.cuda_stream)  # 1: H2D
-            if rc != 0:
-                raise RuntimeError(f"cudaMemcpyAsync of the block ids failed with error {rc}")
+            put(entry, src_ids, dst_ids, stream)
             entry[2] = _PENDING  # until the launch's event is set: not reusable
             view = entry[5].get(n)
             if view is None:
@@ -305,8 +344,32 @@ class _IdsRing:
         if size < self.MAX:  # every buffer still read by a queued launch: one more, kept for later calls
             self.entries.append(None)
             self.next = size
-            return self._upload(src_ids, dst_ids, stream, memcpy)
+            return self._upload(src_ids, dst_ids, stream, put)
         return None
+
+
+def _put_native(entry: list, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> None:
+    """Fill a ring entry by xfer's C helpers: the pairs ordered by destination id (if
+    ``SORT_BY_DESTINATION``) and one ``cuMemcpyHtoDAsync`` on ``stream``, in one call."""
+    dev, host = entry[4]
+    try:
+        _C.put_ids(host, entry[0].numel(), src_ids, dst_ids, SORT_BY_DESTINATION, dev, stream.cuda_stream)
+    except TypeError:  # a strided id array (the C side reads contiguous int64 only)
+        _C.put_ids(host, entry[0].numel(), np.ascontiguousarray(src_ids), np.ascontiguousarray(dst_ids),
+                   SORT_BY_DESTINATION, dev, stream.cuda_stream)
+
+
+def _put_memcpy(memcpy):
+    """The Python way to fill a ring entry (ids already ordered): numpy writes and ``cudaMemcpyAsync``
+    by ctypes (``memcpy``: the runtime's, from ``copy_engine``)."""
+    def put(entry: list, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> None:
+        n, host = len(src_ids), entry[3]
+        host[:n] = src_ids
+        host[n:2 * n] = dst_ids
+        rc = memcpy(*entry[4], 16 * n, 1, stream.cuda_stream)  # 1: H2D
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyAsync of the block ids failed with error {rc}")
+    return put
 
 
 class _Pending:
@@ -324,7 +387,7 @@ class PairTables:
     (into reused buffers, on the copy's own stream) and reuses its launch shape."""
 
     __slots__ = ("src_layout", "dst_layout", "geometry", "align", "table", "device", "slots", "tiles", "ring",
-                 "_memcpy")
+                 "_put", "native")
 
     def __init__(self, src_layout: KVLayout, src_addr: np.ndarray, dst_layout: KVLayout, dst_addr: np.ndarray,
                  device: torch.device) -> None:
@@ -338,23 +401,29 @@ class PairTables:
         self.table = torch.from_numpy(addr.copy()).to(device)  # once per pair: a blocking upload is fine
         self.tiles: dict = {}
         self.ring = _IdsRing(device)
-        self._memcpy = None  # cudaMemcpyAsync, looked up on the first launch on a stream
+        self._put = None  # how the ring's entries are filled (_put_native, _put_memcpy), chosen on first use
+        # n -> the C helpers' launch of an n-block copy (_native_spec), None where Triton's launcher keeps it
+        self.native: dict[int, bytes | None] | None = {} if native_launch(device) else None
 
     def _upload(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream | None) -> tuple:
         """(device ids ``[src..., dst...]`` sorted by destination, the ring entry holding them or
         None): with a stream, into a reused ring buffer by one ``cudaMemcpyAsync`` on it; without
         one, or with every buffer busy, a fresh upload (on ``stream``, else the current stream)."""
+        put = None
+        if stream is not None:
+            put = self._put
+            if put is None:
+                put = self._put = self._filler()
+            if put is _put_native:  # (it orders the pairs itself)
+                hit = self.ring.upload(src_ids, dst_ids, stream, put)
+                if hit is not None:
+                    return hit
+                put = None  # every buffer busy: a fresh upload below
         if SORT_BY_DESTINATION and len(dst_ids) > 1:  # pairs are independent (destination ids unique)
             order = np.argsort(dst_ids)
             src_ids, dst_ids = src_ids[order], dst_ids[order]
-        if stream is not None:
-            memcpy = self._memcpy
-            if memcpy is None:
-                from . import copy_engine
-
-                rt = copy_engine._runtime()
-                memcpy = self._memcpy = False if isinstance(rt, str) else rt.memcpy
-            hit = self.ring.upload(src_ids, dst_ids, stream, memcpy) if memcpy else None
+        if put:
+            hit = self.ring.upload(src_ids, dst_ids, stream, put)
             if hit is not None:
                 return hit
         n = len(src_ids)
@@ -363,6 +432,32 @@ class PairTables:
         host[:n], host[n:] = src_ids, dst_ids
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             return staged.to(self.device, non_blocking=True), None  # the host allocator keeps `staged` until copied
+
+    def _filler(self):
+        """How this pair fills its ids ring: by the C helpers, else by ctypes' cudaMemcpyAsync, else
+        False (no runtime found: every upload a fresh tensor copy)."""
+        if self.native is not None:
+            return _put_native
+        from . import copy_engine
+
+        rt = copy_engine._runtime()
+        return False if isinstance(rt, str) else _put_memcpy(rt.memcpy)
+
+    def _go(self, ids: torch.Tensor, entry, n: int, shape: tuple, stream: torch.cuda.Stream) -> None:
+        """Launch an ``n``-block copy of the uploaded ``ids`` (``entry``: its ring entry, or None) on
+        ``stream``: by the C helpers where they launch this kernel, else by Triton's launcher (which
+        compiles it the first time)."""
+        programs, warps, n_rows, consts, key = shape
+        native = self.native
+        if native is not None:
+            spec = native.get(n)
+            if spec is None and n not in native and key in _COMPILED:
+                args = (self.table, ids, n, n_rows, *consts)
+                spec = native[n] = _native_spec(key, programs, args, self.device.index)
+            if spec is not None:
+                _C.launch(spec, ids.data_ptr() if entry is None else entry[4][0], stream.cuda_stream)
+                return
+        _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
 
     def _shape(self, n: int) -> tuple:
         """The default launch shape of an ``n``-block copy (``CopyPlan.shape``), kept in ``tiles``."""
@@ -380,8 +475,7 @@ class PairTables:
         tensor until that event completed."""
         ids, entry = self._upload(src_ids, dst_ids, stream)
         n = len(src_ids)
-        programs, warps, n_rows, consts, key = self._shape(n)
-        _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
+        self._go(ids, entry, n, self._shape(n), stream)
         return entry, ids
 
     def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> tuple:
@@ -393,8 +487,7 @@ class PairTables:
 
     def launch_staged(self, ids: torch.Tensor, n: int, shape: tuple, stream: torch.cuda.Stream) -> None:
         """The second half of :meth:`launch`: the kernel of ``n`` staged blocks on ``stream``."""
-        programs, warps, n_rows, consts, key = shape
-        _launch(programs, (self.table, ids, n, n_rows, *consts), warps, self.device.index, stream, key)
+        self._go(ids, None, n, shape, stream)
 
     def preload(self, n: int, stream: torch.cuda.Stream) -> bool:
         """Make sure the kernel a copy of ``n`` blocks between these sides launches has run once in

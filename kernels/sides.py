@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from xfer.layout import KVLayout
+from xfer.native import C as _native  # the optional C helpers (None where not built)
 
 from .paths import _where
 from .reference import host_run_views, sides_touch, slot_addresses, tensor_spans
@@ -44,9 +45,14 @@ class _Checked:
     def same(self, layout: KVLayout, tensors: list[torch.Tensor]) -> bool:
         """Whether this is ``layout`` over the very same tensor objects (by identity, each still
         alive), still at the addresses it checked."""
-        refs = self.refs  # (map over C callables: no Python frame per tensor; 100+ tensors a side)
-        return (len(refs) == len(tensors) and refs[0]() is tensors[0] and (self.layout is layout or self.layout == layout)
-                and all(map(operator.is_, map(_DEREF, refs), tensors)) and self.ptrs == list(map(_DATA_PTR, tensors)))
+        refs = self.refs
+        if not (len(refs) == len(tensors) and refs[0]() is tensors[0] and
+                (self.layout is layout or self.layout == layout)):
+            return False
+        if _native is not None:  # one C loop (xfer/_native.c): 100+ tensors a side
+            return _native.same_tensors(refs, tensors, self.ptrs, _DATA_PTR)
+        # (map over C callables: no Python frame per tensor)
+        return all(map(operator.is_, map(_DEREF, refs), tensors)) and self.ptrs == list(map(_DATA_PTR, tensors))
 
 
 class _Side:

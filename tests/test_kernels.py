@@ -178,9 +178,11 @@ def test_ids_ring_allocates_its_device_buffers_on_the_copy_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
     monkeypatch.setattr(torch, "empty", empty)
     ring, s = kc._IdsRing(torch.device("cpu")), Stream()
-    def memcpy(dst, src, nbytes, kind, stream):  # host memory here: a plain copy
+    def copy(dst, src, nbytes, kind, stream):  # host memory here: a plain copy
         ctypes.memmove(dst, src, nbytes)
         return 0
+
+    memcpy = kc._put_memcpy(copy)
 
     ids, entry = ring.upload(np.arange(3), np.arange(3, 6), s, memcpy)
     assert where == [s], f"device buffer allocated under {where} (None: the caller's current stream)"

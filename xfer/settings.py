@@ -82,6 +82,10 @@ KNOBS: tuple[Knob, ...] = (
          "by the copy table); AgentConfig.copy_path's default; unset: auto"),
     Knob("XFER_COPY_TABLE", "copy", "table", "str", None, "path",
          "a JSON copy table for auto (bench/copy_calibrate.py's output) instead of the built-in one"),
+    Knob("XFER_NATIVE", "copy", "native", "bool", True, "",
+         "kernel copies between long-lived CUDA sides (the transports', and the functional copies' cached "
+         "caches) upload their ids and launch through xfer's C helpers (cuMemcpyHtoDAsync, cuLaunchKernel of "
+         "Triton's compiled kernel) where they are built (xfer.native); off: Triton's launcher and a ctypes upload"),
     Knob("TRITON_INTERPRET", "copy", "interpret", "bool", False, "",
          "Triton's own variable: copies between CPU tensors run the Triton kernel in its interpreter (how CI "
          "tests the kernel) rather than the torch reference"),
@@ -341,6 +345,7 @@ class CopySettings:
 
     path: str | None = None
     table: str | None = None
+    native: bool = True
     interpret: bool = False
 
 
