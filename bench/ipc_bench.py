@@ -507,10 +507,13 @@ def main(argv=None) -> dict:
 
         ceiling = peer_ceiling(args.device, args.peer_device, nbytes, args.iters)
         add_peer_ratios(rows, ceiling)
+    from xfer.kernels.copy import native_launch  # (imports triton)
+
     res = {
         "bench": "ipc", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(args.device), "peer_device": args.peer_device,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+        "native_launch": native_launch(torch.device("cuda", args.device)),
         "workload": {**dims, "cache_blocks": cache["num_blocks"], "layout": kind, "blocks_moved": len(src),
                      "slice_bytes": layout.block_nbytes, "payload_bytes": nbytes, "slices": len(src) * layout.num_slots},
         "route": str(route), "transfer_path": transfer_path, "verified": verified, "rows": rows,

@@ -249,10 +249,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kernels_table needs a CUDA GPU")
     import triton
+
+    from xfer.kernels.copy import native_launch
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "cases": []}
-    print(f"{results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
+               "native_launch": native_launch(torch.device("cuda", args.device)), "cases": []}
+    print(f"{results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}  "
+          f"native launch {'on' if results['native_launch'] else 'off'}")
     for case in CASES:
         if args.quick:
             case = Case(**{**case.__dict__, "layers": 8})
