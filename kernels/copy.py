@@ -158,8 +158,8 @@ def _hooked(hook) -> bool:
 
 def native_launch(device: torch.device) -> bool:
     """Whether kernel copies between long-lived sides on ``device`` upload their ids and launch by
-    xfer's C helpers (built, ``XFER_NATIVE`` not off, a CUDA device)."""
-    return _C is not None and device.type == "cuda" and settings.current().copy.native
+    xfer's C helpers (built, ``XFER_NATIVE`` not off, a CUDA device, libcuda's entry points found)."""
+    return _C is not None and device.type == "cuda" and settings.current().copy.native and _C.driver()
 
 
 _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -353,10 +353,11 @@ def _put_native(entry: list, src_ids: np.ndarray, dst_ids: np.ndarray, stream: t
     ``SORT_BY_DESTINATION``) and one ``cuMemcpyHtoDAsync`` on ``stream``, in one call."""
     dev, host = entry[4]
     try:
-        _C.put_ids(host, entry[0].numel(), src_ids, dst_ids, SORT_BY_DESTINATION, dev, stream.cuda_stream)
+        _C.put_ids(host, entry[0].numel(), src_ids, dst_ids, SORT_BY_DESTINATION, dev, stream.cuda_stream,
+                   stream.device_index)
     except TypeError:  # a strided id array (the C side reads contiguous int64 only)
         _C.put_ids(host, entry[0].numel(), np.ascontiguousarray(src_ids), np.ascontiguousarray(dst_ids),
-                   SORT_BY_DESTINATION, dev, stream.cuda_stream)
+                   SORT_BY_DESTINATION, dev, stream.cuda_stream, stream.device_index)
 
 
 def _put_memcpy(memcpy):

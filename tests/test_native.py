@@ -142,7 +142,7 @@ def test_put_ids_orders_pairs_by_destination(n, sort):
     rng = np.random.default_rng(n)
     src, dst = rng.integers(0, 10**6, n), rng.permutation(10**6)[:n]
     host = np.full(2 * n + 3, -7, dtype=np.int64)
-    C.put_ids(host.ctypes.data, host.size, src, dst, sort, 0, 0)  # dev 0: written, nothing queued
+    C.put_ids(host.ctypes.data, host.size, src, dst, sort, 0, 0, 0)  # dev 0: written, nothing queued
     order = np.argsort(dst, kind="stable") if sort else np.arange(n)
     assert host[:n].tolist() == src[order].tolist()
     assert host[n:2 * n].tolist() == dst[order].tolist()
@@ -153,11 +153,11 @@ def test_put_ids_orders_pairs_by_destination(n, sort):
 def test_put_ids_refuses_what_does_not_fit():
     host = np.zeros(4, dtype=np.int64)
     with pytest.raises(ValueError, match="3 source and 3 destination ids for 4 words"):
-        C.put_ids(host.ctypes.data, host.size, np.arange(3), np.arange(3), True, 0, 0)
+        C.put_ids(host.ctypes.data, host.size, np.arange(3), np.arange(3), True, 0, 0, 0)
     with pytest.raises(ValueError):
-        C.put_ids(host.ctypes.data, host.size, np.arange(2), np.arange(1), True, 0, 0)
+        C.put_ids(host.ctypes.data, host.size, np.arange(2), np.arange(1), True, 0, 0, 0)
     with pytest.raises(TypeError):
-        C.put_ids(host.ctypes.data, host.size, np.arange(4)[::2], np.arange(2), True, 0, 0)
+        C.put_ids(host.ctypes.data, host.size, np.arange(4)[::2], np.arange(2), True, 0, 0, 0)
     assert host.tolist() == [0, 0, 0, 0]
 
 
@@ -234,7 +234,7 @@ def test_knob_off_keeps_triton_launcher(monkeypatch):
     finally:
         monkeypatch.delenv("XFER_NATIVE")
         settings.reload()
-    assert kc.native_launch(torch.device("cuda", 0)) is (C is not None)
+    assert kc.native_launch(torch.device("cuda", 0)) is (C is not None and C.driver())
     assert kc.native_launch(torch.device("cpu")) is False
 
 

@@ -13,10 +13,12 @@
  *   same_tensors(refs, tensors, ptrs, data_ptr) -> bool
  *       every weak reference of ``refs`` names the object at the same index of ``tensors`` and
  *       ``data_ptr(tensor)`` equals ``ptrs[i]``.
- *   put_ids(host, cap, src_ids, dst_ids, sort, dev, stream) -> None
+ *   put_ids(host, cap, src_ids, dst_ids, sort, dev, stream, device) -> None
  *       write ``[src..., dst...]`` (pairs ordered by destination id when ``sort``) into the pinned
  *       host buffer at ``host`` (``cap`` int64 words), then queue its copy to the device buffer at
- *       ``dev`` on ``stream`` (cuMemcpyHtoDAsync); ``dev`` 0: write only (tests).
+ *       ``dev`` on ``stream`` of CUDA device ``device`` (cuMemcpyHtoDAsync); ``dev`` 0: write only.
+ *   driver() -> bool
+ *       whether libcuda.so.1 and the entry points below were found (looked up once).
  *   launch(spec, ids_dev, stream) -> None | bytes
  *       launch the compiled kernel ``spec`` names (bytes from ``pack_spec``) with the ids at
  *       ``ids_dev``; ``stream`` None: launch nothing, return the packed parameter values (tests).
@@ -288,8 +290,8 @@ static void sort_pairs(pair_t *a, pair_t *tmp, Py_ssize_t n) {
 }
 
 static PyObject *put_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "put_ids(host, cap, src_ids, dst_ids, sort, dev, stream)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "put_ids(host, cap, src_ids, dst_ids, sort, dev, stream, device)");
         return NULL;
     }
     int64_t *host = PyLong_AsVoidPtr(args[0]);
@@ -297,6 +299,7 @@ static PyObject *put_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int sort = PyObject_IsTrue(args[4]);
     unsigned long long dev = PyLong_AsUnsignedLongLong(args[5]);
     void *stream = PyLong_AsVoidPtr(args[6]);
+    int device = (int)PyLong_AsLong(args[7]);
     if (PyErr_Occurred() || sort < 0)
         return NULL;
     Py_buffer s, d;
@@ -343,11 +346,16 @@ static PyObject *put_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (!load_driver())
             goto done;
         CUresult rc;
+        const char *what = "cuMemcpyHtoDAsync of the block ids";
         Py_BEGIN_ALLOW_THREADS
-        rc = p_htod((CUdeviceptr)dev, host, (size_t)n * 16, (CUstream)stream);
+        rc = ensure_context(device);
+        if (rc != 0)
+            what = "making the device's context current";
+        else
+            rc = p_htod((CUdeviceptr)dev, host, (size_t)n * 16, (CUstream)stream);
         Py_END_ALLOW_THREADS
         if (rc != 0) {
-            cuda_error("cuMemcpyHtoDAsync of the block ids", rc);
+            cuda_error(what, rc);
             goto done;
         }
     }
@@ -460,7 +468,15 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+static PyObject *driver(PyObject *self, PyObject *unused) {
+    if (load_driver())
+        Py_RETURN_TRUE;
+    PyErr_Clear();
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
+    {"driver", driver, METH_NOARGS, "whether libcuda.so.1 and the entry points the launch path calls were found"},
     {"id_stats", (PyCFunction)(void (*)(void))id_stats, METH_FASTCALL, "(lo, hi, repeats) of block ids, or None"},
     {"same_tensors", (PyCFunction)(void (*)(void))same_tensors, METH_FASTCALL, "the same live tensors at the same addresses"},
     {"put_ids", (PyCFunction)(void (*)(void))put_ids, METH_FASTCALL, "write block ids to pinned memory and queue their upload"},
