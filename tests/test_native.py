@@ -282,3 +282,20 @@ def test_gpu_native_launch_moves_the_bytes_tritons_launcher_moves(monkeypatch, i
     ev.synchronize()
     for t in dst:
         assert bool((t[:, untouched] == -7.0).all())
+
+
+@needs_c
+def test_host_checks_bench_runs_both_modes_and_restores(tmp_path):
+    """bench/host_checks.py times the checks with and without the C helpers in one process and
+    leaves them in use afterwards."""
+    import json
+
+    from xfer.bench import host_checks
+    from xfer.kernels import sides
+
+    res = host_checks.main(["--layers", "4", "--n", "8", "--number", "20", "--repeat", "1",
+                            "--out", str(tmp_path / "hc.json")])
+    assert [r["what"] for r in res["rows"]][0] == "check_ids, int64 arrays"
+    assert all(r["python_us"] > 0 and r["native_us"] > 0 for r in res["rows"])
+    assert json.loads((tmp_path / "hc.json").read_text())["rows"] == res["rows"]
+    assert layout_mod._native is C and sides._native is C
