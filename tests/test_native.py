@@ -238,10 +238,22 @@ def test_knob_off_keeps_triton_launcher(monkeypatch):
     assert kc.native_launch(torch.device("cpu")) is False
 
 
+@pytest.fixture
+def native_on(monkeypatch):
+    """XFER_NATIVE=1 for one test, whatever the default."""
+    from xfer import settings
+
+    monkeypatch.setenv("XFER_NATIVE", "1")
+    settings.reload()
+    yield
+    monkeypatch.delenv("XFER_NATIVE")
+    settings.reload()
+
+
 @pytest.mark.gpu
 @needs_c
 @pytest.mark.parametrize("inner", ["nhd", "hnd"])
-def test_gpu_native_launch_moves_the_bytes_tritons_launcher_moves(monkeypatch, inner):
+def test_gpu_native_launch_moves_the_bytes_tritons_launcher_moves(native_on, inner):
     """On a GPU: the repeat copies between two cached caches go through the C launch (checked),
     and every byte matches the reference; the untouched blocks stay poisoned."""
     if not torch.cuda.is_available():
