@@ -56,7 +56,7 @@ def _cases(layers: int, blocks: int, n: int) -> dict:
 
 
 def _mode(native: bool) -> None:
-    """The C helpers in use or not (the launch path has its own knob, XFER_NATIVE; these do not)."""
+    """The C helpers in use or not (the launch path has its own knob, XFER_NATIVE_LAUNCH; these do not)."""
     layout_mod._native = C if native else None
     sides._native = C if native else None
 

@@ -158,8 +158,8 @@ def _hooked(hook) -> bool:
 
 def native_launch(device: torch.device) -> bool:
     """Whether kernel copies between long-lived sides on ``device`` upload their ids and launch by
-    xfer's C helpers (built, ``XFER_NATIVE`` not off, a CUDA device, libcuda's entry points found)."""
-    return _C is not None and device.type == "cuda" and settings.current().copy.native and _C.driver()
+    xfer's C helpers (built, ``XFER_NATIVE_LAUNCH`` not off, a CUDA device, libcuda's entry points found)."""
+    return _C is not None and device.type == "cuda" and settings.current().copy.native_launch and _C.driver()
 
 
 _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}

@@ -223,30 +223,36 @@ def test_launch_spec_matches_the_compiled_kernels_parameters(monkeypatch):
     assert kc._native_spec(key, 96, (Table(), None, *ints), 0) is None
 
 
-def test_knob_off_keeps_triton_launcher(monkeypatch):
+def test_launch_knob(monkeypatch):
+    """The C launch is opt-in (XFER_NATIVE_LAUNCH=1) and needs the module and libcuda; never on CPU."""
     from xfer import settings
     from xfer.kernels import copy as kc
 
-    monkeypatch.setenv("XFER_NATIVE", "0")
+    monkeypatch.delenv("XFER_NATIVE_LAUNCH", raising=False)
     settings.reload()
+    assert kc.native_launch(torch.device("cuda", 0)) is False  # the default: Triton's launcher
     try:
+        monkeypatch.setenv("XFER_NATIVE_LAUNCH", "1")
+        settings.reload()
+        assert kc.native_launch(torch.device("cuda", 0)) is (C is not None and C.driver())
+        assert kc.native_launch(torch.device("cpu")) is False
+        monkeypatch.setenv("XFER_NATIVE_LAUNCH", "0")
+        settings.reload()
         assert kc.native_launch(torch.device("cuda", 0)) is False
     finally:
-        monkeypatch.delenv("XFER_NATIVE")
+        monkeypatch.delenv("XFER_NATIVE_LAUNCH")
         settings.reload()
-    assert kc.native_launch(torch.device("cuda", 0)) is (C is not None and C.driver())
-    assert kc.native_launch(torch.device("cpu")) is False
 
 
 @pytest.fixture
 def native_on(monkeypatch):
-    """XFER_NATIVE=1 for one test, whatever the default."""
+    """XFER_NATIVE_LAUNCH=1 for one test, whatever the default."""
     from xfer import settings
 
-    monkeypatch.setenv("XFER_NATIVE", "1")
+    monkeypatch.setenv("XFER_NATIVE_LAUNCH", "1")
     settings.reload()
     yield
-    monkeypatch.delenv("XFER_NATIVE")
+    monkeypatch.delenv("XFER_NATIVE_LAUNCH")
     settings.reload()
 
 
