@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: installs xfer (and any carried wheels in .whl/),
 # runs the GPU tests and the GPU benchmarks, and writes everything under $OUT (default ./gpu-out).
-# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|multigpu|ab|all]...
+# Usage: bash ci/gpu.sh [tests|kernels|ipc|probe|nvshmem|ucx|xferbench|engine|copycal|repeat|multigpu|ab|native|all]...
 # (default: all; ab, ipc_bench of a base tree (XFER_AB_BASE) and this one alternated (see the step);
+# native, issue 32's C launch on and off alternated (see the step);
 # copycal, the kernel vs copy-engine calibration that writes the auto table, repeat,
 # which runs the GPU tests named by XFER_GPU_REPEAT_TESTS XFER_GPU_REPEAT times (default: the TP
 # engine test, 8) to count intermittent failures, and multigpu, run only when named)
@@ -42,6 +43,7 @@ fi
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  python3 -c 'import xfer.native as n; print("xfer._native built:", n.available())'
 } | tee "$OUT/env.txt"
 
 what=${*:-all}
@@ -124,6 +126,22 @@ for step in $what; do
           --out "$OUT/ab-$i-$v.json" ${XFER_IPC_ARGS:-} > "$OUT/ab-$i-$v.log" 2>&1); code=$?; rc=$((rc | code))
         { echo "ab run $i $v (rc $code):"; grep -E "ceiling\)|one request|back to back|read" "$OUT/ab-$i-$v.log" \
           | grep -v "^  "; } | tee -a "$OUT/ab.log"
+      done; done ;;
+    native)
+      # issue 32's C launch (XFER_NATIVE_LAUNCH) on and off on one host: its GPU tests with it on (the
+      # kernels', the ipc transport's), the checks' host time (host_checks), then kernels_table --no-sweep
+      # and ipc_bench (XFER_IPC_ARGS) alternated on/off, XFER_NATIVE_RUNS times each (default 2)
+      XFER_NATIVE_LAUNCH=1 run_step TESTS python3 -m pytest -m gpu -q -p no:cacheprovider --timeout-method=thread \
+        --timeout "${XFER_GPU_TEST_S:-120}" tests/test_native.py tests/test_kernels.py tests/test_ipc.py \
+        > "$OUT/native-tests.log" 2>&1; rc=$((rc | $?)); tail -5 "$OUT/native-tests.log"
+      run_step HC python3 -m xfer.bench.host_checks --out "$OUT/native-host-checks.json" 2>&1 | tee "$OUT/native-hc.log"
+      for i in $(seq 1 "${XFER_NATIVE_RUNS:-2}"); do for v in 1 0; do
+        XFER_NATIVE_LAUNCH=$v run_step KERNELS python3 -m xfer.bench.kernels_table --no-sweep \
+          --out "$OUT/native-kt-$i-$v.json" > "$OUT/native-kt-$i-$v.log" 2>&1; rc=$((rc | $?))
+        XFER_NATIVE_LAUNCH=$v run_step IPC python3 -m xfer.bench.ipc_bench --out "$OUT/native-ipc-$i-$v.json" \
+          ${XFER_IPC_ARGS:-} > "$OUT/native-ipc-$i-$v.log" 2>&1; rc=$((rc | $?))
+        { echo "native run $i, XFER_NATIVE_LAUNCH=$v:"; grep -E "queued|host|ceiling\)|one request|back to back" \
+          "$OUT/native-kt-$i-$v.log" "$OUT/native-ipc-$i-$v.log" | grep -v "^  " | head -30; } | tee -a "$OUT/native.log"
       done; done ;;
     copycal)
       run_step COPYCAL python3 -m xfer.bench.copy_calibrate --out "$OUT/copy_table.json" 2>&1 | tee "$OUT/copycal.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
