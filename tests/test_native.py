@@ -317,3 +317,91 @@ def test_host_checks_bench_runs_both_modes_and_restores(tmp_path):
     assert all(r["python_us"] > 0 and r["native_us"] > 0 for r in res["rows"])
     assert json.loads((tmp_path / "hc.json").read_text())["rows"] == res["rows"]
     assert layout_mod._native is C and sides._native is C
+
+
+_FAKE_LIBCUDA = r"""
+#include <stdint.h>
+#include <string.h>
+typedef int CUresult;
+static int ctx_token;
+static void *current;
+int retained = -1, set_calls, launches, htod_calls;
+unsigned long long launch_args[10], params_seen[16];
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
+CUresult cuCtxSetCurrent(void *ctx) { current = ctx; set_calls++; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int device) { retained = device; *ctx = &ctx_token; return 0; }
+CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *stream) {
+    if ((uintptr_t)stream == 0xbad) return 1;
+    memcpy((void *)(uintptr_t)dst, src, n); htod_calls++; return 0;
+}
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, void *stream, void **params, void **extra) {
+    unsigned long long a[10] = {(uintptr_t)f, gx, gy, gz, bx, by, bz, shared, (uintptr_t)stream, (uintptr_t)extra};
+    memcpy(launch_args, a, sizeof a);
+    for (int i = 0; i < 14; i++) memcpy(&params_seen[i], params[i], 8);
+    launches++;
+    return (uintptr_t)f == 0xdead ? 700 : 0;
+}
+"""
+
+_DRIVER_SCRIPT = r"""
+import ctypes, struct, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])  # the fake, by its soname libcuda.so.1: what xfer._native dlopens
+from xfer.native import C
+g = lambda name, t=ctypes.c_int: t.in_dll(lib, name).value
+assert C.driver() is True
+dev = np.full(10, -1, dtype=np.int64)  # host memory standing in for the device buffer
+host = np.zeros(10, dtype=np.int64)
+C.put_ids(host.ctypes.data, 10, np.array([7, 8, 9]), np.array([30, 10, 20]), True, dev.ctypes.data, 0x5, 3)
+assert g("retained") == 3 and g("set_calls") == 1, "no current context: device 3's primary one made current"
+assert dev[:6].tolist() == [8, 9, 7, 10, 20, 30] and dev[6:].tolist() == [-1] * 4, dev
+assert g("htod_calls") == 1
+ints = (3, 96, 1 << 33, 4096, 1, 2, 3, 4, 5, 6)
+spec = C.pack_spec(0x1234, 0x7000, 24, 256, 512, 3, ints, 0b100)
+C.launch(spec, dev.ctypes.data, 0x5)
+la = (ctypes.c_ulonglong * 10).in_dll(lib, "launch_args")
+assert list(la) == [0x1234, 24, 1, 1, 256, 1, 1, 512, 0x5, 0], list(la)
+ps = list((ctypes.c_ulonglong * 16).in_dll(lib, "params_seen"))[:14]
+widths = [8, 8, 4, 4, 8, 4, 4, 4, 4, 4, 4, 4, 8, 8]
+want = [0x7000, dev.ctypes.data, *ints, 0, 0]
+got = [p & ((1 << 8 * w) - 1) for p, w in zip(ps, widths)]
+want = [v & ((1 << 8 * w) - 1) for v, w in zip(want, widths)]
+assert got == want, (got, want)
+assert g("set_calls") == 1, "a current context is left as it is"
+try:
+    C.launch(C.pack_spec(0xdead, 0x7000, 1, 32, 0, 0, ints, 0b100), 1, 0x5)
+except RuntimeError as exc:
+    assert "cuLaunchKernel failed with CUDA error 700" in str(exc), exc
+else:
+    raise AssertionError("a failed launch must raise")
+try:
+    C.put_ids(host.ctypes.data, 10, np.array([1]), np.array([2]), True, dev.ctypes.data, 0xbad, 0)
+except RuntimeError as exc:
+    assert "cuMemcpyHtoDAsync of the block ids failed with CUDA error 1" in str(exc), exc
+else:
+    raise AssertionError("a failed upload must raise")
+print("ok")
+"""
+
+
+@needs_c
+def test_driver_calls_against_a_fake_libcuda(tmp_path):
+    """The C path's driver calls on a machine without CUDA: a stand-in libcuda.so.1 (built here,
+    loaded in a child process) records what it is called with. The ids land sorted at the device
+    address; a thread without a context gets the device's primary one; cuLaunchKernel gets the grid,
+    block, shared bytes, stream and every parameter at its width; driver errors raise with their code."""
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    src = tmp_path / "fake.c"
+    src.write_text(_FAKE_LIBCUDA)
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(lib)], check=True)
+    script = tmp_path / "drive.py"
+    script.write_text(_DRIVER_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
