@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     from xfer.kernels.copy import native_launch
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "native_launch": native_launch(torch.device("cuda", args.device)), "cases": []}
+               "native_launch": native_launch(torch.device("cuda", torch.cuda.current_device())), "cases": []}
     print(f"{results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}  "
           f"native launch {'on' if results['native_launch'] else 'off'}")
     for case in CASES:
