@@ -224,13 +224,15 @@ def test_launch_spec_matches_the_compiled_kernels_parameters(monkeypatch):
 
 
 def test_launch_knob(monkeypatch):
-    """The C launch is opt-in (XFER_NATIVE_LAUNCH=1) and needs the module and libcuda; never on CPU."""
+    """The C launch is on by default (XFER_NATIVE_LAUNCH=0 turns it off) and needs the module and
+    libcuda; never on CPU."""
     from xfer import settings
     from xfer.kernels import copy as kc
 
     monkeypatch.delenv("XFER_NATIVE_LAUNCH", raising=False)
     settings.reload()
-    assert kc.native_launch(torch.device("cuda", 0)) is False  # the default: Triton's launcher
+    assert kc.native_launch(torch.device("cuda", 0)) is (C is not None and C.driver())  # the default
+    assert kc.native_launch(torch.device("cpu")) is False
     try:
         monkeypatch.setenv("XFER_NATIVE_LAUNCH", "1")
         settings.reload()

@@ -82,11 +82,12 @@ KNOBS: tuple[Knob, ...] = (
          "by the copy table); AgentConfig.copy_path's default; unset: auto"),
     Knob("XFER_COPY_TABLE", "copy", "table", "str", None, "path",
          "a JSON copy table for auto (bench/copy_calibrate.py's output) instead of the built-in one"),
-    Knob("XFER_NATIVE_LAUNCH", "copy", "native_launch", "bool", False, "",
+    Knob("XFER_NATIVE_LAUNCH", "copy", "native_launch", "bool", True, "",
          "kernel copies between long-lived CUDA sides (the transports', and the functional copies' cached "
          "caches) upload their ids and launch through xfer's C helpers (cuMemcpyHtoDAsync, cuLaunchKernel of "
-         "Triton's compiled kernel) where they are built (xfer.native); off (the default until it has run on a "
-         "GPU): Triton's launcher and a ctypes upload. The helpers' block-id and side checks need no knob"),
+         "Triton's compiled kernel) where they are built (xfer.native); 0: Triton's launcher and a ctypes "
+         "upload (H100, 2026-12-07: 20-50 % more host time a call). The helpers' block-id and side checks "
+         "need no knob"),
     Knob("TRITON_INTERPRET", "copy", "interpret", "bool", False, "",
          "Triton's own variable: copies between CPU tensors run the Triton kernel in its interpreter (how CI "
          "tests the kernel) rather than the torch reference"),
@@ -346,7 +347,7 @@ class CopySettings:
 
     path: str | None = None
     table: str | None = None
-    native_launch: bool = False
+    native_launch: bool = True
     interpret: bool = False
 
 
