@@ -129,12 +129,13 @@ for step in $what; do
       done; done ;;
     native)
       # issue 32's C launch (XFER_NATIVE_LAUNCH) on and off on one host: its GPU tests with it on (the
-      # kernels', the ipc transport's), the checks' host time (host_checks), then kernels_table --no-sweep
+      # kernels', the ipc transport's), the host time of the checks and of the CUDA half piece by piece with a
+      # cProfile of whole calls (host_checks --cuda), then kernels_table --no-sweep
       # and ipc_bench (XFER_IPC_ARGS) alternated on/off, XFER_NATIVE_RUNS times each (default 1: one pair fits a 10-minute call)
       XFER_NATIVE_LAUNCH=1 run_step TESTS python3 -m pytest -m gpu -q -p no:cacheprovider --timeout-method=thread \
         --timeout "${XFER_GPU_TEST_S:-120}" tests/test_native.py tests/test_kernels.py tests/test_ipc.py \
         > "$OUT/native-tests.log" 2>&1; rc=$((rc | $?)); tail -5 "$OUT/native-tests.log"
-      run_step HC python3 -m xfer.bench.host_checks --out "$OUT/native-host-checks.json" 2>&1 | tee "$OUT/native-hc.log"
+      run_step HC python3 -m xfer.bench.host_checks --cuda --out "$OUT/native-host-checks.json" 2>&1 | tee "$OUT/native-hc.log"
       for i in $(seq 1 "${XFER_NATIVE_RUNS:-1}"); do for v in 1 0; do
         XFER_NATIVE_LAUNCH=$v run_step KERNELS python3 -m xfer.bench.kernels_table --no-sweep \
           --out "$OUT/native-kt-$i-$v.json" > "$OUT/native-kt-$i-$v.log" 2>&1; rc=$((rc | $?))

@@ -321,6 +321,23 @@ def test_host_checks_bench_runs_both_modes_and_restores(tmp_path):
     assert layout_mod._native is C and sides._native is C
 
 
+@pytest.mark.gpu
+@needs_c
+def test_gpu_host_checks_cuda_pieces(tmp_path):
+    """``host_checks --cuda`` checks the copy's bytes, times the CUDA half's pieces with the C launch
+    on and off, profiles whole calls, and leaves the pair as it found it."""
+    from xfer.bench import host_checks
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    res = host_checks.main(["--layers", "4", "--n", "8", "--number", "50", "--repeat", "1", "--cuda",
+                            "--profile-calls", "20"])
+    rows = {r["what"]: r for r in res["cuda"]["rows"]}
+    assert set(rows) >= {"ids upload + launch + event + release", "copy_blocks, the whole call"}
+    assert all(r["triton_launch_us"] > 0 and (r["native_launch_us"] or 0) >= 0 for r in rows.values())
+    assert res["cuda"]["profile"] and res["cuda"]["profile"][0]["calls"] >= 1
+
+
 _FAKE_LIBCUDA = r"""
 #include <stdint.h>
 #include <string.h>
