@@ -1,6 +1,6 @@
 """Host time of a block copy's checks before any CUDA work, with xfer's C helpers and without, in one
 process (issue 32): the block-id checks of both sides (``check_ids``: a list of ints, an int64
-array), the check that each cache is still the same tensors at the same addresses (``_side``), and
+array, an int32 array, a CPU tensor), the check that each cache is still the same tensors at the same addresses (``_side``), and
 the whole of ``copy_blocks``' work before CUDA (ids, both sides, the overlap check, the path choice).
 
 The seed case's shape on small tensors (only the checks run): 2 x 64 layer tensors a side, 128
@@ -47,6 +47,8 @@ def _cases(layers: int, blocks: int, n: int) -> dict:
     rng = np.random.default_rng(0)
     s, d = rng.permutation(2 * blocks)[:n], rng.permutation(2 * blocks)[:n]
     sl, dl = s.tolist(), d.tolist()
+    s32, d32 = s.astype(np.int32), d.astype(np.int32)
+    s_t, d_t = torch.from_numpy(s.copy()), torch.from_numpy(d.copy())
 
     def before_cuda():
         s_ids, d_ids = check_ids(la, s, lb, d)
@@ -58,6 +60,8 @@ def _cases(layers: int, blocks: int, n: int) -> dict:
     return {
         "check_ids, int64 arrays": lambda: check_ids(la, s, lb, d),
         "check_ids, lists of ints": lambda: check_ids(la, sl, lb, dl),
+        "check_ids, int32 arrays": lambda: check_ids(la, s32, lb, d32),
+        "check_ids, CPU int64 tensors": lambda: check_ids(la, s_t, lb, d_t),
         "both sides' checks (_side x 2)": lambda: (sides._side(la, a), sides._side(lb, b)),
         "copy_blocks before CUDA": before_cuda,
     }

@@ -59,25 +59,31 @@ def _both(monkeypatch, lay: KVLayout, ids, unique: bool):
     [True, False], [1.0, 2.0], [np.int64(3), np.int64(4)], [2**70, 1], [1, 2**63 - 1],
     np.array([4, 2, 9]), np.array([4, 4]), np.array([1, 2, 3, 4, 5, 6])[::2], np.array([7, -1]),
     np.array([], dtype=np.int64), [], np.array([3, 1], dtype=np.int32), (1, 2), torch.tensor([6, 6]),
+    np.array([3, 99], dtype=np.int32), np.array([5, 5], dtype=np.int32), np.array([2**63 + 1], dtype=np.uint64),
+    (4, 4), (1, -2), torch.tensor([1, 64]), torch.tensor([2, 3], dtype=torch.int32), torch.arange(8)[::3],
+    np.array([[1, 2]]), np.array([1.5]),
 ])
 @pytest.mark.parametrize("unique", [False, True])
 def test_id_checks_match_the_python_path(monkeypatch, ids, unique):
-    """Every input the C pass takes (lists of ints, contiguous int64 arrays) or declines gives the
-    Python path's array or its error, word for word."""
+    """Every input the C pass takes (lists of ints, contiguous int64 arrays, and once converted
+    tensors, other integer arrays and tuples) or declines gives the Python path's array or its
+    error, word for word."""
     native, python = _both(monkeypatch, _layout(), ids, unique)
     assert native == python
 
 
 @needs_c
 @hsettings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-5, 2**20), min_size=1, max_size=600), st.booleans(), st.booleans(),
-       st.integers(1, 2**20))
-def test_id_checks_match_the_python_path_on_random_ids(ids, as_array, unique, num_blocks):
+@given(st.lists(st.integers(-5, 2**20), min_size=1, max_size=600),
+       st.sampled_from(["list", "int64", "int32", "tensor", "tuple"]), st.booleans(), st.integers(1, 2**20))
+def test_id_checks_match_the_python_path_on_random_ids(ids, form, unique, num_blocks):
     """Random ranges (the bitmap below 65,536 ids of span, the hash table above), repeats, lists
-    past the 512 the C pass takes (the Python path's sort then)."""
+    past the 512 the C pass takes (the Python path's sort then), in each form an engine passes."""
     lay = _layout()
     object.__setattr__(lay, "num_blocks", num_blocks)  # (frozen dataclass: the range is all that matters)
-    arg = np.array(ids, dtype=np.int64) if as_array else ids
+    arg = {"list": lambda: ids, "int64": lambda: np.array(ids, dtype=np.int64),
+           "int32": lambda: np.array(ids, dtype=np.int32), "tensor": lambda: torch.tensor(ids),
+           "tuple": lambda: tuple(ids)}[form]()
     native = _outcome(lay, arg, unique)
     saved = layout_mod._native
     layout_mod._native = None

@@ -323,6 +323,8 @@ class KVLayout:
                 raise BlockIdError(f"{what} must be integers, got dtype {arr.dtype}")
             if arr.dtype != np.int64:
                 arr = arr.astype(np.int64)
+            if _native is not None and 0 < arr.size <= _SMALL_IDS:  # (tensors, int32 arrays, tuples: once
+                stats = _native.id_stats(arr, None, self.num_blocks, unique)  # converted, the same C pass)
         if not arr.size:
             return arr
         if stats is not None:  # the C pass (xfer/_native.c): range, and repeats of in-range unique ids

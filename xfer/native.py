@@ -4,9 +4,9 @@
 is skipped, and every caller then takes the pure-Python path, which computes the same results
 (``tests/test_native.py`` compares the two). ``C`` is the built module, or None without it.
 
-What uses them: block-id checks (``KVLayout.check_block_ids``: lists of ints and int64 arrays of up
-to 512 ids), the functional copies' check that a side is still the same tensors at the same
-addresses (``xfer.kernels``), and the kernel copies' ids upload and launch on CUDA
+What uses them: block-id checks (``KVLayout.check_block_ids``: up to 512 ids, lists of ints and
+int64 arrays directly, tensors, other integer arrays and tuples once converted), the functional
+copies' check that a side is still the same tensors at the same addresses (``xfer.kernels``), and the kernel copies' ids upload and launch on CUDA
 (``cuMemcpyHtoDAsync`` and ``cuLaunchKernel`` of Triton's compiled kernel, looked up in libcuda at
 run time; a kernel whose launch needs more than that keeps Triton's launcher; ``XFER_NATIVE_LAUNCH=0``
 turns the launch off). Its parameters are checked against the PTX Triton compiles on any machine
