@@ -7,11 +7,11 @@ is skipped, and every caller then takes the pure-Python path, which computes the
 What uses them: block-id checks (``KVLayout.check_block_ids``: up to 512 ids, lists of ints and
 int64 arrays directly, tensors, other integer arrays and tuples once converted), the functional
 copies' check that a side is still the same tensors at the same addresses (``xfer.kernels``), and
-the kernel copies' ids upload and launch on CUDA (``cuMemcpyHtoDAsync`` and ``cuLaunchKernel`` of Triton's compiled kernel, looked up in libcuda at
-run time; a kernel whose launch needs more than that keeps Triton's launcher; ``XFER_NATIVE_LAUNCH=0``
-turns the launch off). Its parameters are checked against the PTX Triton compiles on any machine
-(``tests/test_native.py``); on an H100 it cut a functional copy's host time by 20-50 %
-(``bench/results/2026-12-07-h100-native-launch.md``).
+the kernel copies' ids upload and launch on CUDA (``cuMemcpyHtoDAsync`` and ``cuLaunchKernel`` of
+Triton's compiled kernel, looked up in libcuda at run time; a kernel whose launch needs more than
+that keeps Triton's launcher; ``XFER_NATIVE_LAUNCH=0`` turns the launch off). Its parameters are
+checked against the PTX Triton compiles on any machine (``tests/test_native.py``); on an H100 it cut
+a functional copy's host time by 20-50 % (``bench/results/2026-12-07-h100-native-launch.md``).
 """
 
 from __future__ import annotations
